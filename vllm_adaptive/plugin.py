@@ -1,0 +1,21 @@
+"""vLLM general-plugin entry point (`vllm.general_plugins`).
+
+vLLM calls `register()` in every process it starts, possibly more than once
+per process, so registration is idempotent.
+"""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    from vllm_adaptive.models import ADAPTIVE_ARCHITECTURES
+
+    for arch in ADAPTIVE_ARCHITECTURES:
+        for name, target in ((arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)):
+            current = ModelRegistry.models.get(name)
+            module, _, cls = target.partition(":")
+            if getattr(current, "module_name", None) == module and getattr(current, "class_name", None) == cls:
+                continue
+            ModelRegistry.register_model(name, target)

@@ -1,0 +1,76 @@
+"""Per-request adaptive overrides, carried in `SamplingParams.extra_args`.
+
+Keys are flat, `adaptive_<field>`, because the OpenAI server's `vllm_xargs`
+only carries strings, numbers and lists:
+
+    client.completions.create(..., extra_body={"vllm_xargs": {"adaptive_mode": "off"}})
+    SamplingParams(extra_args={"adaptive_mode": "off"})
+
+Validation runs at request admission through vLLM's logits-processor
+`validate_params` hook, so a bad value becomes HTTP 400 (a
+`VLLMValidationError`) instead of an engine crash or a silent default. The
+validator itself never changes logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+#: Prefix of every per-request adaptive key in `extra_args`.
+EXTRA_ARGS_PREFIX = "adaptive_"
+
+
+class RequestOverrides(BaseModel):
+    """What one request may change about the engine's adaptive behaviour."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    mode: Literal["off"] | None = None
+    """"off": run this request with every adaptive mechanism disabled."""
+
+
+def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOverrides:
+    """Collect and validate the `adaptive_*` keys; other keys belong to others."""
+    fields = {
+        key[len(EXTRA_ARGS_PREFIX):]: value
+        for key, value in (extra_args or {}).items()
+        if isinstance(key, str) and key.startswith(EXTRA_ARGS_PREFIX)
+    }
+    try:
+        return RequestOverrides.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = EXTRA_ARGS_PREFIX + ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(EXTRA_ARGS_PREFIX + f for f in RequestOverrides.model_fields)
+            msg = f"unknown per-request adaptive key {key!r} (known: {known})"
+        else:
+            msg = f"invalid per-request adaptive value for {key!r}: {first['msg']} (got {first.get('input')!r})"
+        raise VLLMValidationError(msg, parameter=key, value=first.get("input")) from None
+
+
+class AdaptiveRequestValidator(LogitsProcessor):
+    """Admission-time validation of per-request overrides; a no-op on logits."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        parse_request_overrides(sampling_params.extra_args)
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # never applied to greedy batches; a no-op otherwise
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
