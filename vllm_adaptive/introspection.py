@@ -1,0 +1,19 @@
+"""What an engine is actually running, readable from outside the worker.
+
+Pass these functions to `LLM.apply_model` (they are importable, so vLLM can
+send them to the worker by reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def describe_model(model: Any) -> dict[str, Any]:
+    """Class of the loaded model and its adaptive config (None for stock)."""
+    cls = type(model)
+    adaptive = getattr(model, "adaptive_config", None)
+    return {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "adaptive_config": adaptive.model_dump() if adaptive is not None else None,
+    }
