@@ -22,6 +22,7 @@ def model_dir() -> Path:
 
     return prepare("smollm2-135m-instruct", quiet=True)
 
+
 # LLM.apply_model sends a function to the worker; ours are importable
 # (vllm_adaptive.introspection) but vLLM still requires this opt-in.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

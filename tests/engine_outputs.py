@@ -15,7 +15,13 @@ if __name__ == "__main__":
     from vllm import LLM
 
     model, extra, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=1024,
-              additional_config=extra)
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=1024,
+        additional_config=extra,
+    )
     with open(out, "w") as f:
         json.dump(run_identity_workload(llm), f)

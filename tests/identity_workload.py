@@ -26,8 +26,9 @@ def _params(i: int | None) -> Any:
     from vllm import SamplingParams
 
     if i in SEEDED:
-        return SamplingParams(temperature=0.8, top_p=0.95, seed=SEEDED[i], max_tokens=MAX_TOKENS,
-                              ignore_eos=True)
+        return SamplingParams(
+            temperature=0.8, top_p=0.95, seed=SEEDED[i], max_tokens=MAX_TOKENS, ignore_eos=True
+        )
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 

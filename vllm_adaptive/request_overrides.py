@@ -39,7 +39,7 @@ class RequestOverrides(BaseModel):
 def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOverrides:
     """Collect and validate the `adaptive_*` keys; other keys belong to others."""
     fields = {
-        key[len(EXTRA_ARGS_PREFIX):]: value
+        key[len(EXTRA_ARGS_PREFIX) :]: value
         for key, value in (extra_args or {}).items()
         if isinstance(key, str) and key.startswith(EXTRA_ARGS_PREFIX)
     }
@@ -52,7 +52,10 @@ def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOver
             known = ", ".join(EXTRA_ARGS_PREFIX + f for f in RequestOverrides.model_fields)
             msg = f"unknown per-request adaptive key {key!r} (known: {known})"
         else:
-            msg = f"invalid per-request adaptive value for {key!r}: {first['msg']} (got {first.get('input')!r})"
+            msg = (
+                f"invalid per-request adaptive value for {key!r}: {first['msg']} "
+                f"(got {first.get('input')!r})"
+            )
         raise VLLMValidationError(msg, parameter=key, value=first.get("input")) from None
 
 

@@ -9,28 +9,62 @@ def _batch_sizes(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--batch-sizes: expected comma-separated integers, got {text!r}") from e
+        raise argparse.ArgumentTypeError(
+            f"--batch-sizes: expected comma-separated integers, got {text!r}"
+        ) from e
     if not sizes or any(b < 1 for b in sizes):
         raise argparse.ArgumentTypeError(f"--batch-sizes: need positive integers, got {text!r}")
     return sizes
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (see `vllm-adaptive models prepare`)")
-    p.add_argument("--corpus", action="append", required=True, metavar="FILE",
-                   help="UTF-8 text file for prompts and held-out evaluation (repeatable)")
-    p.add_argument("--config", action="append", default=[], metavar="CONFIG",
-                   help="adaptive config: JSON object or a file holding one; {} = every mechanism off (repeatable)")
+    p.add_argument(
+        "--model", required=True, help="checkpoint directory (see `vllm-adaptive models prepare`)"
+    )
+    p.add_argument(
+        "--corpus",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="UTF-8 text file for prompts and held-out evaluation (repeatable)",
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="CONFIG",
+        help="adaptive config: JSON object or file with one; {} = all mechanisms off (repeatable)",
+    )
     p.add_argument("--json", required=True, metavar="OUT.json", help="where to write the results")
     p.add_argument("--plot", metavar="OUT.png", help="quality loss vs speed-up plot")
     p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="default 1,8,32")
-    p.add_argument("--max-tokens", type=int, default=64, help="decode tokens per request in the throughput runs")
-    p.add_argument("--ppl-streams", type=int, default=16, help="held-out streams fed as one batch for perplexity")
-    p.add_argument("--ppl-prefix", type=int, default=64, help="prompt tokens before teacher forcing starts")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="decode tokens per request in the throughput runs",
+    )
+    p.add_argument(
+        "--ppl-streams",
+        type=int,
+        default=16,
+        help="held-out streams fed as one batch for perplexity",
+    )
+    p.add_argument(
+        "--ppl-prefix", type=int, default=64, help="prompt tokens before teacher forcing starts"
+    )
     p.add_argument("--ppl-tokens", type=int, default=128, help="teacher-forced tokens per stream")
-    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in the throughput runs")
-    p.add_argument("--repeats", type=int, default=1, help="timed repetitions per batch size (the best is kept)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=64, help="prompt length in the throughput runs"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed repetitions per batch size (the best is kept)"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile in every engine")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="skip torch.compile in every engine"
+    )
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE per engine"
+    )
     p.add_argument("--seed", type=int, default=0)

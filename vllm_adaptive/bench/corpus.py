@@ -58,8 +58,8 @@ def token_windows(token_ids: list[int], length: int, count: int) -> list[list[in
     available = len(token_ids) // length
     if available < count:
         raise ValueError(
-            f"held-out text has {len(token_ids)} tokens: too short for {count} windows of {length}; "
-            "give a larger corpus or ask for fewer/shorter streams"
+            f"held-out text has {len(token_ids)} tokens: too short for {count} windows "
+            f"of {length}; give a larger corpus or ask for fewer/shorter streams"
         )
     stride = available // count
     return [token_ids[i * stride * length : i * stride * length + length] for i in range(count)]

@@ -26,8 +26,9 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list[Any]:
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
-def measure_throughput(llm: Any, prompts: list[list[int]], batch_sizes: list[int],
-                       max_tokens: int, repeats: int) -> dict[str, dict[str, float]]:
+def measure_throughput(
+    llm: Any, prompts: list[list[int]], batch_sizes: list[int], max_tokens: int, repeats: int
+) -> dict[str, dict[str, float]]:
     """Decode tokens/s, TTFT and mean inter-token latency per batch size.
 
     Prefill time is measured by the same batch with max_tokens=1; decode time
@@ -60,8 +61,10 @@ def measure_throughput(llm: Any, prompts: list[list[int]], batch_sizes: list[int
         result["decode_tokens_per_s"][str(b)] = best_rate
         result["ttft_s"][str(b)] = best[0]
         result["itl_s"][str(b)] = best[1]
-        _log(f"  batch {b:>3}: {best_rate:8.1f} decode tok/s, ttft {best[0]*1e3:7.1f} ms, "
-             f"itl {best[1]*1e3:6.1f} ms")
+        _log(
+            f"  batch {b:>3}: {best_rate:8.1f} decode tok/s, ttft {best[0] * 1e3:7.1f} ms, "
+            f"itl {best[1] * 1e3:6.1f} ms"
+        )
     return result
 
 
@@ -74,8 +77,14 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
     llm.reset_prefix_cache()
     prompts = [s["prefix"] for s in streams]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=len(s["forced"]), ignore_eos=True, logprobs=1,
-                       detokenize=False, extra_args={FORCE_KEY: s["forced"]})
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=len(s["forced"]),
+            ignore_eos=True,
+            logprobs=1,
+            detokenize=False,
+            extra_args={FORCE_KEY: s["forced"]},
+        )
         for s in streams
     ]
     from vllm.inputs import TokensPrompt
@@ -86,7 +95,22 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
     forced = [read_forced_output(o, s["forced"]) for o, s in zip(outs, streams, strict=True)]
     n = sum(len(f.logprobs) for f in forced)
     _log(f"  teacher forcing: {len(streams)} streams, {n} decode positions in {dt:.1f} s")
-    return {"logprobs": [f.logprobs for f in forced], "greedy": [f.greedy for f in forced]}
+
+    # Cross-check: the same positions scored by one prefill pass (prompt_logprobs).
+    # With nothing adaptive at decode time the two must agree up to kernel numerics;
+    # an adaptive mode that only acts at decode time shows up as a gap.
+    llm.reset_prefix_cache()
+    full = [s["prefix"] + s["forced"] for s in streams]
+    outs = _generate(llm, full, SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False))
+    prefill_lps = []
+    for o, s, ids in zip(outs, streams, full, strict=True):
+        p, m = len(s["prefix"]), len(s["forced"])
+        prefill_lps.append([o.prompt_logprobs[i][ids[i]].logprob for i in range(p + 1, p + m)])
+    return {
+        "logprobs": [f.logprobs for f in forced],
+        "greedy": [f.greedy for f in forced],
+        "prefill_logprobs": prefill_lps,
+    }
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -108,8 +132,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     _log(f"  engine started in {start_s:.0f} s")
     out: dict[str, Any] = {"engine_start_s": start_s}
-    out.update(measure_throughput(llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"],
-                                  spec["repeats"]))
+    out.update(
+        measure_throughput(
+            llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"], spec["repeats"]
+        )
+    )
     out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
     return out
 

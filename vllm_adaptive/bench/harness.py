@@ -47,7 +47,9 @@ def build_workload(args: argparse.Namespace, corpora: list[CorpusFile]) -> dict[
         # Streams and prompts come from disjoint halves of the held-out text.
         half = len(ids) // 2
         for w in token_windows(ids[:half], stream_len, per_corpus_streams):
-            streams.append({"corpus": ci, "prefix": w[: args.ppl_prefix], "forced": w[args.ppl_prefix :]})
+            streams.append(
+                {"corpus": ci, "prefix": w[: args.ppl_prefix], "forced": w[args.ppl_prefix :]}
+            )
         prompts.append(token_windows(ids[half:], args.prompt_tokens, per_corpus_prompts))
     # interleave so that every batch size mixes corpora
     mixed = [p for group in zip(*prompts, strict=True) for p in group][:n_prompts]
@@ -68,7 +70,9 @@ def run_engine(name: str, spec: dict[str, Any], env_overrides: dict[str, str]) -
             env=env,
         )
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"engine for {name} failed (exit {proc.returncode}); see the log above")
+            raise RuntimeError(
+                f"engine for {name} failed (exit {proc.returncode}); see the log above"
+            )
         result = json.loads(out_path.read_text())
         result["wall_s"] = time.perf_counter() - t0
         return result
@@ -106,7 +110,9 @@ def _env_info(corpora: list[CorpusFile]) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cpu": cpu_model,
         "gpu": gpu,
-        "corpora": [{"path": str(c.path), "sha256": c.sha256, "chars": len(c.text)} for c in corpora],
+        "corpora": [
+            {"path": str(c.path), "sha256": c.sha256, "chars": len(c.text)} for c in corpora
+        ],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -116,27 +122,31 @@ def _streams(result: dict[str, Any]) -> list[ForcedStream]:
     return [ForcedStream(lp, g) for lp, g in zip(tf["logprobs"], tf["greedy"], strict=True)]
 
 
-def summarize(result: dict[str, Any], workload: dict[str, Any], flops_per_token: float,
-              n_corpora: int) -> dict[str, Any]:
+def summarize(
+    result: dict[str, Any], workload: dict[str, Any], flops_per_token: float, n_corpora: int
+) -> dict[str, Any]:
     streams = _streams(result)
     by_corpus = {}
     for ci in range(n_corpora):
         sel = [s for s, w in zip(streams, workload["streams"], strict=True) if w["corpus"] == ci]
         if sel:
             by_corpus[str(ci)] = perplexity(sel)
+    prefill = [ForcedStream(lp, []) for lp in result["teacher_forced"]["prefill_logprobs"]]
     return {
         "decode_tokens_per_s": result["decode_tokens_per_s"],
         "ttft_s": result["ttft_s"],
         "itl_s": result["itl_s"],
         "ppl": perplexity(streams),
         "ppl_by_corpus": by_corpus,
+        "ppl_prefill": perplexity(prefill),
         "flops_per_token": flops_per_token,
         "engine_start_s": result["engine_start_s"],
     }
 
 
-def compare(run: dict[str, Any], baseline: dict[str, Any], run_raw: dict[str, Any],
-            base_raw: dict[str, Any]) -> dict[str, Any]:
+def compare(
+    run: dict[str, Any], baseline: dict[str, Any], run_raw: dict[str, Any], base_raw: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "speedup": {
             b: run["decode_tokens_per_s"][b] / baseline["decode_tokens_per_s"][b]
@@ -160,12 +170,20 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     def spec(additional_config: dict[str, Any]) -> dict[str, Any]:
         return {
-            "model": str(args.model), "dtype": args.dtype, "enforce_eager": args.enforce_eager,
-            "seed": args.seed, "max_model_len": max_len, "kv_cache_gib": args.kv_cache_gib,
-            "additional_config": additional_config, "batch_sizes": args.batch_sizes,
-            "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "model": str(args.model),
+            "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager,
+            "seed": args.seed,
+            "max_model_len": max_len,
+            "kv_cache_gib": args.kv_cache_gib,
+            "additional_config": additional_config,
+            "batch_sizes": args.batch_sizes,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
             "prompts": workload["prompts"],
-            "streams": [{"prefix": s["prefix"], "forced": s["forced"]} for s in workload["streams"]],
+            "streams": [
+                {"prefix": s["prefix"], "forced": s["forced"]} for s in workload["streams"]
+            ],
         }
 
     total = 1 + len(configs)
@@ -180,18 +198,25 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         # Later mechanisms report the depths/precisions they ran; with none, full cost.
         summary = summarize(raw, workload, stock_flops, len(corpora))
         entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
-        _log(f"  ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), greedy agreement "
-             f"{entry['greedy_agreement']:.4f}, speedup "
-             + ", ".join(f"b{b}={s:.3f}" for b, s in entry["speedup"].items()))
+        _log(
+            f"  ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), greedy agreement "
+            f"{entry['greedy_agreement']:.4f}, speedup "
+            + ", ".join(f"b{b}={s:.3f}" for b, s in entry["speedup"].items())
+        )
         runs.append(entry)
 
     return {
         "model": str(args.model),
         "settings": {
-            "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
-            "prompt_tokens": args.prompt_tokens, "ppl_streams": len(workload["streams"]),
-            "ppl_prefix": args.ppl_prefix, "ppl_tokens": args.ppl_tokens, "dtype": args.dtype,
-            "enforce_eager": args.enforce_eager, "repeats": args.repeats,
+            "batch_sizes": args.batch_sizes,
+            "max_tokens": args.max_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "ppl_streams": len(workload["streams"]),
+            "ppl_prefix": args.ppl_prefix,
+            "ppl_tokens": args.ppl_tokens,
+            "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager,
+            "repeats": args.repeats,
             "flops_context_len": context,
         },
         "baseline": baseline,

@@ -20,13 +20,25 @@ def plot_pareto(results: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     markers = "osD^v<>P*X"
     batch_sizes = list(results["baseline"]["decode_tokens_per_s"])
-    ax.scatter([1.0] * len(batch_sizes), [0.0] * len(batch_sizes), color="black", marker="x",
-               s=60, label="stock vLLM", zorder=3)
+    ax.scatter(
+        [1.0] * len(batch_sizes),
+        [0.0] * len(batch_sizes),
+        color="black",
+        marker="x",
+        s=60,
+        label="stock vLLM",
+        zorder=3,
+    )
     for i, run in enumerate(results["runs"]):
         xs = [run["speedup"][b] for b in batch_sizes]
         ys = [100.0 * run["ppl_rel_change"]] * len(xs)
-        ax.plot(xs, ys, marker=markers[i % len(markers)], linestyle=":",
-                label=f"{_label(run['config'])} (agree {run['greedy_agreement']:.3f})")
+        ax.plot(
+            xs,
+            ys,
+            marker=markers[i % len(markers)],
+            linestyle=":",
+            label=f"{_label(run['config'])} (agree {run['greedy_agreement']:.3f})",
+        )
         for x, y, b in zip(xs, ys, batch_sizes, strict=True):
             ax.annotate(f"b{b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=0.5)

@@ -24,6 +24,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.models import ADAPTIVE_ARCHITECTURES
 
 logger = init_logger("vllm.adaptive.dispatch")  # under "vllm" so vLLM's log config shows it
 
@@ -51,15 +52,14 @@ def _dispatch(dispatcher: type, stock: type, adaptive_path: str, cls: type, args
     return model_cls(*args, **kwargs)
 
 
+_ADAPTIVE_CLS = {arch.stock: arch.adaptive_cls for arch in ADAPTIVE_ARCHITECTURES}
+
+
 class LlamaForCausalLMDispatch(LlamaForCausalLM):
     """Registered over "LlamaForCausalLM"; see the module docstring."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
+        adaptive_cls = _ADAPTIVE_CLS["LlamaForCausalLM"]
         return _dispatch(
-            LlamaForCausalLMDispatch,
-            LlamaForCausalLM,
-            "vllm_adaptive.models.llama:AdaptiveLlamaForCausalLM",
-            cls,
-            args,
-            kwargs,
+            LlamaForCausalLMDispatch, LlamaForCausalLM, adaptive_cls, cls, args, kwargs
         )
