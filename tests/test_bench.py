@@ -128,6 +128,8 @@ def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:
         "--enforce-eager",
         "--kv-cache-gib",
         "1",
+        "--rounds",
+        "2",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -161,6 +163,13 @@ def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     assert run["ppl"] == base["ppl"] and run["ppl_rel_change"] == 0.0
     assert run["flops_ratio"] == 1.0
     assert all(s > 0 for s in run["speedup"].values())
+    # two rounds, each engine measured twice; the reported figure is their median
+    for entry in (base, run):
+        rounds = entry["decode_tokens_per_s_rounds"]
+        assert len(rounds) == 2
+        for b in ("1", "2"):
+            lo, hi = sorted(r[b] for r in rounds)
+            assert lo <= entry["decode_tokens_per_s"][b] <= hi
 
     env = res["env"]
     assert env["vllm"] and env["torch"] and env["cores"] >= 1

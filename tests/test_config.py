@@ -124,3 +124,19 @@ def test_bad_config_fails_engine_start(model_dir: Path) -> None:
     assert proc.returncode != 0
     assert "adaptive.bogus: unknown key" in out
     assert "adaptive.mode: Input should be 'off'" in out
+
+
+def test_unsupported_architecture_refused() -> None:
+    from types import SimpleNamespace
+
+    from vllm_adaptive.request_overrides import check_architecture_supported
+
+    def cfg(archs, additional):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(architectures=archs), additional_config=additional
+        )
+
+    check_architecture_supported(cfg(["Gemma3ForCausalLM"], {}))  # adaptivity off: fine
+    check_architecture_supported(cfg(["LlamaForCausalLM"], {"adaptive": {}}))
+    with pytest.raises(AdaptiveConfigError, match="no adaptive model class.*Gemma3ForCausalLM"):
+        check_architecture_supported(cfg(["Gemma3ForCausalLM"], {"adaptive": {}}))

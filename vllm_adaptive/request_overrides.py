@@ -59,6 +59,26 @@ def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOver
         raise VLLMValidationError(msg, parameter=key, value=first.get("input")) from None
 
 
+def check_architecture_supported(vllm_config: Any) -> None:
+    """Refuse an adaptive config for an architecture without an adaptive class."""
+    from vllm_adaptive.config import adaptive_config_from_vllm
+    from vllm_adaptive.models import ADAPTIVE_ARCHITECTURES
+
+    if vllm_config is None or adaptive_config_from_vllm(vllm_config) is None:
+        return
+    archs = list(getattr(vllm_config.model_config, "architectures", None) or [])
+    supported = {a.stock for a in ADAPTIVE_ARCHITECTURES} | {
+        a.adaptive for a in ADAPTIVE_ARCHITECTURES
+    }
+    if not supported.intersection(archs):
+        from vllm_adaptive.config import AdaptiveConfigError
+
+        raise AdaptiveConfigError(
+            f"adaptive: no adaptive model class for architecture {archs}; "
+            f"supported: {sorted(a.stock for a in ADAPTIVE_ARCHITECTURES)}"
+        )
+
+
 class AdaptiveRequestValidator(LogitsProcessor):
     """Admission-time validation of per-request overrides; a no-op on logits."""
 
@@ -67,7 +87,10 @@ class AdaptiveRequestValidator(LogitsProcessor):
         parse_request_overrides(sampling_params.extra_args)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        pass
+        # Built in every engine's worker at start: the one place that sees the
+        # config for every architecture, so an adaptive section on a model we
+        # have no adaptive class for fails here instead of being ignored.
+        check_architecture_supported(vllm_config)
 
     def is_argmax_invariant(self) -> bool:
         return True  # never applied to greedy batches; a no-op otherwise

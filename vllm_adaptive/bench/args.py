@@ -60,6 +60,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=int, default=1, help="timed repetitions per batch size (the best is kept)"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every engine this many times (order reversed every other round); "
+        "timings are the median over rounds",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
         "--enforce-eager", action="store_true", help="skip torch.compile in every engine"

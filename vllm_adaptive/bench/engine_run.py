@@ -137,7 +137,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"], spec["repeats"]
         )
     )
-    out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
+    if spec["teacher_forcing"]:
+        out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
     return out
 
 

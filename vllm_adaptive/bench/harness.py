@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,16 @@ def _streams(result: dict[str, Any]) -> list[ForcedStream]:
     return [ForcedStream(lp, g) for lp, g in zip(tf["logprobs"], tf["greedy"], strict=True)]
 
 
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median of each timing over rounds; every round's values are kept too.
+    Teacher-forced results are deterministic and come from round 1."""
+    merged = dict(rounds[0])
+    for key in ("decode_tokens_per_s", "ttft_s", "itl_s"):
+        merged[key] = {b: statistics.median(r[key][b] for r in rounds) for b in rounds[0][key]}
+    merged["decode_tokens_per_s_rounds"] = [r["decode_tokens_per_s"] for r in rounds]
+    return merged
+
+
 def summarize(
     result: dict[str, Any], workload: dict[str, Any], flops_per_token: float, n_corpora: int
 ) -> dict[str, Any]:
@@ -136,6 +147,7 @@ def summarize(
         "decode_tokens_per_s": result["decode_tokens_per_s"],
         "ttft_s": result["ttft_s"],
         "itl_s": result["itl_s"],
+        "decode_tokens_per_s_rounds": result["decode_tokens_per_s_rounds"],
         "ppl": perplexity(streams),
         "ppl_by_corpus": by_corpus,
         "ppl_prefill": perplexity(prefill),
@@ -168,7 +180,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     stock_flops = shape.flops_per_token(context)
     max_len = max(args.ppl_prefix + args.ppl_tokens, args.prompt_tokens + args.max_tokens) + 16
 
-    def spec(additional_config: dict[str, Any]) -> dict[str, Any]:
+    def spec(additional_config: dict[str, Any], teacher_forcing: bool) -> dict[str, Any]:
         return {
             "model": str(args.model),
             "dtype": args.dtype,
@@ -180,26 +192,45 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "batch_sizes": args.batch_sizes,
             "max_tokens": args.max_tokens,
             "repeats": args.repeats,
+            "teacher_forcing": teacher_forcing,
             "prompts": workload["prompts"],
             "streams": [
                 {"prefix": s["prefix"], "forced": s["forced"]} for s in workload["streams"]
             ],
         }
 
-    total = 1 + len(configs)
-    _log(f"engine 1/{total}: stock vLLM (plugin not loaded)")
-    base_raw = run_engine("baseline", spec({}), {"VLLM_PLUGINS": ""})
+    # Engine 0 is stock vLLM with the plugin not loaded; 1.. are the configs.
+    # Every round starts fresh engines, in reversed order every other round, so
+    # that slow drifts of a shared machine cancel instead of favouring one side;
+    # perplexity and agreement are deterministic and measured in round 1 only.
+    engines = [("stock vLLM (plugin not loaded)", {}, {"VLLM_PLUGINS": ""})] + [
+        (f"adaptive {json.dumps(c)}", additional_config_for(c), {}) for c in configs
+    ]
+    raw_rounds: list[list[dict[str, Any]]] = [[] for _ in engines]
+    total, step = len(engines) * args.rounds, 0
+    for r in range(args.rounds):
+        order = list(range(len(engines)))
+        if r % 2 == 1:
+            order.reverse()
+        for i in order:
+            step += 1
+            name, additional, env = engines[i]
+            _log(f"engine {step}/{total} (round {r + 1}/{args.rounds}): {name}")
+            raw_rounds[i].append(run_engine(name, spec(additional, r == 0), env))
+    base_raw, *config_raws = [merge_rounds(rs) for rs in raw_rounds]
+
     baseline = summarize(base_raw, workload, stock_flops, len(corpora))
-    _log(f"  ppl {baseline['ppl']:.4f}")
+    _log(
+        f"stock: ppl {baseline['ppl']:.4f}, decode tok/s "
+        + ", ".join(f"b{b}={v:.1f}" for b, v in baseline["decode_tokens_per_s"].items())
+    )
     runs = []
-    for i, c in enumerate(configs):
-        _log(f"engine {i + 2}/{total}: adaptive {json.dumps(c)}")
-        raw = run_engine(f"config {i}", spec(additional_config_for(c)), {})
+    for c, raw in zip(configs, config_raws, strict=True):
         # Later mechanisms report the depths/precisions they ran; with none, full cost.
         summary = summarize(raw, workload, stock_flops, len(corpora))
         entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
         _log(
-            f"  ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), greedy agreement "
+            f"{json.dumps(c)}: ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), agreement "
             f"{entry['greedy_agreement']:.4f}, speedup "
             + ", ".join(f"b{b}={s:.3f}" for b, s in entry["speedup"].items())
         )
@@ -217,6 +248,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "enforce_eager": args.enforce_eager,
             "repeats": args.repeats,
+            "rounds": args.rounds,
             "flops_context_len": context,
         },
         "baseline": baseline,
