@@ -113,7 +113,7 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
     }
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     from vllm import LLM
 
     from vllm_adaptive.bench.teacher_forcing import TeacherForcingLogitsProcessor
@@ -139,18 +139,26 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     if spec["teacher_forcing"]:
         out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
-    return out
+    return out, llm
 
 
-def main() -> int:
+def main() -> None:
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
         spec = json.load(f)
-    result = run(spec)
-    with open(out_path, "w") as f:
+    result, llm = run(spec)
+    tmp = out_path + ".partial"
+    with open(tmp, "w") as f:
         json.dump(result, f)
-    return 0
+    os.replace(tmp, out_path)  # the result exists only once it is complete
+    # vLLM's CPU engine sometimes aborts during interpreter teardown
+    # ("terminate called without an active exception"); the measurements are
+    # already on disk, so stop the engine explicitly and leave without teardown.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
