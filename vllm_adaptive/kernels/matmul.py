@@ -1,0 +1,334 @@
+"""``matmul(x, packed)``: ``x @ W^T`` for a :class:`PackedWeight`, on the fastest correct path.
+
+Paths (names are what :func:`choose_path` returns and what ``path=`` forces):
+
+- ``int8pack``: ``aten._weight_int8pack_mm`` (int8 codes, one scale per output row), in x's dtype.
+  Needs bits=8, per-row, symmetric.
+- ``int8pack_f32``: the same kernel on ``x.float()`` with float32 scales, cast back.
+- ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` on the layout made by
+  ``aten._convert_weight_to_int4pack_for_cpu``; it computes ``(q - 8) * scale + zero`` per group
+  of 32/64/128/256 inputs, which covers int4 and int2 codes (int2 codes are int4 codes in
+  [-2, 1]), symmetric (zero = 0), asymmetric (zero = offset) and the Matryoshka tiers
+  (zero = half a step); per-row scales are repeated over the largest such group dividing K.
+  Needs bits 4 or 2, N a multiple of 16 and K a multiple of 32. Scales must be in x's dtype.
+- ``int4pack_f32``: the same on ``x.float()``, cast back.
+- ``dequant``: ``F.linear(x, dequantize(packed, x.dtype))``: always correct, any device; the
+  reference and the fallback.
+- ``dequant_f32``: float32 compute, the weight dequantized in row chunks of at most
+  ``DEQUANT_CHUNK_BYTES`` into a reused float32 buffer, each chunk multiplied (``torch.mm``) as
+  soon as it is made; the result is cast to x's dtype. Chunking is what makes it usable on large
+  matrices: a whole 4096 x 4096 float32 weight is a fresh 64 MiB allocation per call, which
+  glibc serves with mmap, and the page faults alone cost ~50 ms here.
+
+For float32 activations ``int8pack_f32`` / ``int4pack_f32`` are the plain kernels and are not
+listed separately. (On this machine the float32 versions of both kernels are 6-55x slower than
+their bf16 versions, so neither the ``_f32`` kernel paths for bf16 activations nor the kernels
+themselves for float32 activations are ever picked: see ``docs/packed-kernels.md``.)
+Kernel layouts (int8 scales in the activation dtype, the int4pack weight and its
+scale-and-zero tensor) are prepared once and cached in ``packed.prepared``.
+
+Dispatch on CPU comes from ``_CPU_RULES`` below, measured with ``tools/bench_packed_kernels.py``
+on this project's CPU (numbers in ``docs/packed-kernels.md`` and cited next to the rules).
+Anything the table does not cover (other activation dtypes, weights no native kernel accepts)
+takes the slow-but-correct ``dequant`` path. Non-CPU devices always take ``dequant`` (dequantize
+then a dense matmul in torch); fused GPU kernels (Triton) are a later addition.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from vllm_adaptive.kernels.packed import PackedWeight, dequantize, unpack_codes
+
+INT8PACK = "int8pack"
+INT8PACK_F32 = "int8pack_f32"
+INT4PACK = "int4pack"
+INT4PACK_F32 = "int4pack_f32"
+DEQUANT = "dequant"
+DEQUANT_F32 = "dequant_f32"
+PATHS = (INT8PACK, INT8PACK_F32, INT4PACK, INT4PACK_F32, DEQUANT, DEQUANT_F32)
+
+# Weight families, each with its own candidate kernels.
+FAMILY_INT8_ROW = "int8-row"  # bits 8, per-row, symmetric: int8pack
+FAMILY_INT4PACK = "int4pack"  # bits 4 or 2, N % 16 == 0, K % 32 == 0: int4pack
+FAMILY_DEQUANT = "dequant-only"  # everything else (grouped int8, asymmetric int8, odd shapes)
+
+INT4PACK_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
+
+# dequant_f32 chunk: float32 bytes per chunk of rows (at least 16 rows).
+DEQUANT_CHUNK_BYTES = 4 << 20
+
+_INF = float("inf")
+
+# ---------------------------------------------------------------------------------------------
+# The measured dispatch table (CPU).
+# (family, activation dtype) -> ((max_tokens, path), ...): the first rule with tokens <= max_tokens
+# wins. Measured with tools/bench_packed_kernels.py on the project's CI CPU (AMD EPYC, AVX2 only,
+# no AVX512 / AVX512-BF16), torch 2.13.0+cpu, 1 thread, 2026-11-21; raw data in docs/data/, the
+# full tables in docs/packed-kernels.md. "warm": one weight per shape (cache-resident when it fits);
+# "cold": calls rotated over 256 MiB of weight copies (DRAM-resident, as in a real forward pass).
+# Times are medians in microseconds, shapes K x N, random weights (kernel speed does not depend on
+# the values).
+#
+# bf16, int8 per-row: int8pack up to 16 tokens, then float32 dequantize-and-matmul.
+#   1 token, warm: int8pack 99 / 95 / 46 / 24 vs dense bf16 F.linear 214 / 189 / 82 / 28 for
+#   576x1536 / 1536x576 / 576x576 / 576x192, and 1535 vs 3488 at 4096x4096.
+#   16 tokens is a tie: warm 778 vs dequant_f32 769 (576x1536), 686 vs 793 (1536x576); cold 942 vs
+#   854, 823 vs 811. 32 tokens, warm: dequant_f32 wins 5 of 6 shapes (1370 vs 1604 at 576x1536,
+#   19.6 ms vs 32.1 ms at 4096x4096; only 576x192 keeps int8pack, 188 vs 226). 48-128 tokens:
+#   dequant_f32 on every shape (64 tokens, 576x1536: 2352 vs 3352).
+# bf16, int4 / int2 (int4pack family): int4pack up to 48 tokens, then dequant_f32.
+#   int4pack wins every shape at 1-48 tokens, warm and cold (1 token: 162 vs bf16 dense 214 at
+#   576x1536, 2535 vs 3488 at 4096x4096; 48 tokens: 2601 vs dequant_f32 2891). At 64 tokens
+#   dequant_f32 wins 4 of 5 shapes warm (3462 vs 3569 at 576x1536) and 3 of 4 cold.
+# bf16, other weights (no native kernel): dequant_f32 always; bf16 dequant pays the bf16 GEMM,
+#   which this CPU runs without native bf16 (dense bf16 F.linear grows ~linearly with tokens:
+#   214 us at 1 token, 6.9 ms at 32, 576x1536).
+# float32, every family: dequant_f32 always. The float32 versions of _weight_int8pack_mm and
+#   _weight_int4pack_mm_for_cpu are 6-55x slower than their bf16 versions here (576x1536, 1 token:
+#   int8pack 960 vs 99 in bf16, int4pack 2007 vs 162) and never win. dequant_f32 and plain
+#   dequant trade places on the small matrices (mostly within ~15%, single cells up to 1.8x either
+#   way, at the noise level of this VM), and dequant_f32 is 4-20x faster on the large ones
+#   (4096x4096 int8, 1 token: 4.8 ms vs 93.7 ms), where from 4 tokens on it often beats even the
+#   dense float32 F.linear (4096x11008: 24.7 vs 41.0 ms at 4 tokens, 48.3 vs 86.1 ms at 32;
+#   4096x4096: 7.6 vs 8.4 ms at 4 tokens but 18.9 vs 13.0 ms at 8).
+# ---------------------------------------------------------------------------------------------
+_CPU_RULES: dict[tuple[str, torch.dtype], tuple[tuple[float, str], ...]] = {
+    (FAMILY_INT8_ROW, torch.bfloat16): ((16, INT8PACK), (_INF, DEQUANT_F32)),
+    (FAMILY_INT4PACK, torch.bfloat16): ((48, INT4PACK), (_INF, DEQUANT_F32)),
+    (FAMILY_DEQUANT, torch.bfloat16): ((_INF, DEQUANT_F32),),
+    (FAMILY_INT8_ROW, torch.float32): ((_INF, DEQUANT_F32),),
+    (FAMILY_INT4PACK, torch.float32): ((_INF, DEQUANT_F32),),
+    (FAMILY_DEQUANT, torch.float32): ((_INF, DEQUANT_F32),),
+}
+
+
+def int4pack_group(packed: PackedWeight) -> int | None:
+    """Group length the int4pack kernel runs ``packed`` with, or None if it cannot."""
+    n, k = packed.shape
+    if packed.bits not in (4, 2) or n % 16 or k % 32:
+        return None
+    if packed.group_size is None:
+        return next(g for g in INT4PACK_GROUPS if k % g == 0)
+    return packed.group_size if packed.group_size in INT4PACK_GROUPS else None
+
+
+def family(packed: PackedWeight) -> str:
+    """Which kernel family a weight belongs to (on CPU)."""
+    if packed.bits == 8 and packed.group_size is None and packed.symmetric:
+        return FAMILY_INT8_ROW
+    if int4pack_group(packed) is not None:
+        return FAMILY_INT4PACK
+    return FAMILY_DEQUANT
+
+
+def applicable_paths(packed: PackedWeight, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """Every path that computes ``x @ W^T`` correctly for this weight, dtype and device."""
+    if torch.device(device).type != "cpu":
+        return [DEQUANT]
+    fam = family(packed)
+    paths: list[str] = []
+    if fam == FAMILY_INT8_ROW:
+        paths += [INT8PACK, INT8PACK_F32]
+    elif fam == FAMILY_INT4PACK:
+        paths += [INT4PACK, INT4PACK_F32]
+    paths += [DEQUANT, DEQUANT_F32]
+    if dtype == torch.float32:
+        paths = [p for p in paths if p not in (INT8PACK_F32, INT4PACK_F32)]
+    elif dtype not in (torch.bfloat16, torch.float16):
+        # the native kernels take f32/f16/bf16 activations only
+        paths = [DEQUANT]
+    return paths
+
+
+def choose_path(
+    packed: PackedWeight,
+    tokens: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+) -> str:
+    """The path :func:`matmul` takes for ``tokens`` rows of ``dtype`` activations."""
+    device = torch.device(device) if device is not None else packed.device
+    if device.type != "cpu":
+        return DEQUANT  # explicit: no fused kernels off CPU yet (Triton comes later)
+    rules = _CPU_RULES.get((family(packed), dtype))
+    if rules is None:
+        return DEQUANT  # unmeasured dtype: the slow-but-correct fallback
+    for max_tokens, path in rules:
+        if tokens <= max_tokens:
+            return path
+    return DEQUANT
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared layouts (cached on the PackedWeight)
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8_scales(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    key = ("int8pack_scales", dtype)
+    got = packed.prepared.get(key)
+    if got is None:
+        got = packed.scales[:, 0].to(dtype).contiguous()
+        packed.prepared[key] = got
+    return got
+
+
+def _int4_weight(packed: PackedWeight) -> torch.Tensor:
+    key = ("int4pack_weight",)
+    got = packed.prepared.get(key)
+    if got is None:
+        q = packed.codes().to(torch.int32) + 8  # (q - 8) is the signed code
+        got = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        packed.prepared[key] = got
+    return got
+
+
+def _int4_scale_zeros(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    key = ("int4pack_scale_zeros", dtype)
+    got = packed.prepared.get(key)
+    if got is None:
+        g = int4pack_group(packed)
+        reps = packed.group_len // g
+        scales = packed.scales.to(torch.float32)
+        zeros = (
+            torch.zeros_like(scales) if packed.offsets is None else packed.offsets.to(torch.float32)
+        )
+        if reps > 1:
+            scales = scales.repeat_interleave(reps, dim=1)
+            zeros = zeros.repeat_interleave(reps, dim=1)
+        # kernel layout: [K / g, N, 2] (scale, zero), in the activation dtype
+        got = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        packed.prepared[key] = got
+    return got
+
+
+def _dequant_params(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 scales and offsets as ``[N, groups, 1]``, for in-place broadcasting."""
+    key = ("dequant_f32_params",)
+    got = packed.prepared.get(key)
+    if got is None:
+        s = packed.scales.to(torch.float32).unsqueeze(-1).contiguous()
+        o = None
+        if packed.offsets is not None:
+            o = packed.offsets.to(torch.float32).unsqueeze(-1).contiguous()
+        got = (s, o)
+        packed.prepared[key] = got
+    return got
+
+
+_scratch = threading.local()
+
+
+def _scratch_f32(numel: int, device: torch.device) -> torch.Tensor:
+    """A reused float32 buffer (per thread and device) of at least ``numel`` elements."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        bufs[device] = buf
+    return buf[:numel]
+
+
+def prepare(packed: PackedWeight, dtype: torch.dtype, path: str | None = None) -> None:
+    """Build (and cache) the kernel layouts ``path`` needs, ahead of the first call."""
+    paths = [path] if path else applicable_paths(packed, dtype, packed.device)
+    for p in paths:
+        if p == INT8PACK:
+            _int8_scales(packed, dtype)
+        elif p == INT8PACK_F32:
+            _int8_scales(packed, torch.float32)
+        elif p == INT4PACK:
+            _int4_weight(packed)
+            _int4_scale_zeros(packed, dtype)
+        elif p == INT4PACK_F32:
+            _int4_weight(packed)
+            _int4_scale_zeros(packed, torch.float32)
+        elif p == DEQUANT_F32:
+            _dequant_params(packed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8pack(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, packed.data, _int8_scales(packed, x.dtype))
+
+
+def _int4pack(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    g = int4pack_group(packed)
+    w = _int4_weight(packed)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, g, _int4_scale_zeros(packed, x.dtype))
+
+
+def _dequant_f32(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    n, k = packed.shape
+    scales, offsets = _dequant_params(packed)
+    groups = scales.shape[1]
+    rows = min(n, max(16, DEQUANT_CHUNK_BYTES // (4 * k)))
+    buf = _scratch_f32(rows * k, x.device).view(rows, k)
+    x32 = x.to(torch.float32)
+    out_t = torch.empty(n, x.shape[0], dtype=torch.float32, device=x.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        b = buf[: r1 - r0]
+        b.copy_(unpack_codes(packed.data[r0:r1], packed.bits, k))
+        bg = b.view(r1 - r0, groups, k // groups)
+        bg.mul_(scales[r0:r1])
+        if offsets is not None:
+            bg.add_(offsets[r0:r1])
+        torch.mm(b, x32.t(), out=out_t[r0:r1])
+    return out_t.t().to(x.dtype).contiguous()
+
+
+def _run(path: str, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    if path == INT8PACK:
+        return _int8pack(x, packed)
+    if path == INT8PACK_F32:
+        return _int8pack(x.to(torch.float32), packed).to(x.dtype)
+    if path == INT4PACK:
+        return _int4pack(x, packed)
+    if path == INT4PACK_F32:
+        return _int4pack(x.to(torch.float32), packed).to(x.dtype)
+    if path == DEQUANT:
+        return F.linear(x, dequantize(packed, x.dtype))
+    if path == DEQUANT_F32:
+        return _dequant_f32(x, packed)
+    raise ValueError(f"unknown path {path!r}; paths are {PATHS}")
+
+
+def matmul(x: torch.Tensor, packed: PackedWeight, *, path: str | None = None) -> torch.Tensor:
+    """``x @ W^T`` in x's dtype, ``x``: ``[..., K]``, result ``[..., N]``.
+
+    ``path`` forces a path (benchmarks, tests); it must be one of
+    :func:`applicable_paths` for this weight, dtype and device.
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    n, k = packed.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects K={k}")
+    if x.device != packed.device:
+        raise ValueError(f"x is on {x.device}, the weight on {packed.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    tokens = x2.shape[0]
+    if path is None:
+        path = choose_path(packed, tokens, x.dtype, x.device)
+    elif path not in applicable_paths(packed, x.dtype, x.device):
+        raise ValueError(
+            f"path {path!r} cannot run {packed.describe()} with {x.dtype} on {x.device.type}; "
+            f"applicable: {applicable_paths(packed, x.dtype, x.device)}"
+        )
+    if tokens == 0:
+        return x.new_zeros(*lead, n)
+    return _run(path, x2, packed).reshape(*lead, n)
