@@ -87,10 +87,8 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
         )
         for s in streams
     ]
-    from vllm.inputs import TokensPrompt
-
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outs = _generate(llm, prompts, params)
     dt = time.perf_counter() - t0
     forced = [read_forced_output(o, s["forced"]) for o, s in zip(outs, streams, strict=True)]
     n = sum(len(f.logprobs) for f in forced)
