@@ -361,8 +361,10 @@ def test_matmul_shapes_and_errors():
 def test_non_cpu_devices_fall_back_to_dequantize_then_matmul():
     p = quantize(_weight(48, 256), 4, 32)
     for dev in ("cuda", "mps", "meta"):
-        assert mm.choose_path(p, 1, torch.bfloat16, dev) == mm.DEQUANT
-        assert mm.applicable_paths(p, torch.bfloat16, torch.device(dev)) == [mm.DEQUANT]
+        # CUDA with a GPU and triton takes the Triton kernel (tests/test_triton_kernels.py)
+        want = [mm.TRITON, mm.DEQUANT] if mm.triton_usable(dev) else [mm.DEQUANT]
+        assert mm.choose_path(p, 1, torch.bfloat16, dev) == want[0]
+        assert mm.applicable_paths(p, torch.bfloat16, torch.device(dev)) == want
     # meta tensors run the fallback end to end
     pm = p.to("meta")
     y = mm.matmul(torch.randn(3, 256, device="meta"), pm)

@@ -13,7 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import Field, ValidationError, model_validator
+
+from vllm_adaptive.precision.gears import GEARBX_GEARS, QUICKSILVER_GEARS, Precision, precision_rank
+from vllm_adaptive.precision.policies.gearbx import GearbxSettings
+from vllm_adaptive.precision.policies.quicksilver import QuickSilverSettings
+from vllm_adaptive.strict_model import StrictModel
 
 #: Key of the adaptive section inside vLLM's `additional_config`.
 ADDITIONAL_CONFIG_KEY = "adaptive"
@@ -23,20 +28,137 @@ class AdaptiveConfigError(ValueError):
     """A bad adaptive config; the message names the offending key."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+_Strict = StrictModel
+
+#: Linear layers of a Llama decoder layer that precision gears can manage.
+MANAGED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+GearMap = tuple[Precision, Precision, Precision]
+
+
+def _check_gear_order(gears: GearMap, where: str) -> None:
+    ranks = [precision_rank(g) for g in gears]
+    if ranks != sorted(ranks):
+        raise ValueError(f"{where}: gears go from the cheapest (low) to the most precise (high)")
+
+
+class LayerGroup(_Strict):
+    """Layers ``[start, end)`` whose linears map the gear levels to their own precisions."""
+
+    layers: tuple[int, int] = Field(strict=False)  # JSON lists
+    gears: GearMap = Field(strict=False)
+
+    @model_validator(mode="after")
+    def _check(self) -> LayerGroup:
+        start, end = self.layers
+        if not 0 <= start < end:
+            raise ValueError(f"layers must be [start, end) with 0 <= start < end: {self.layers}")
+        _check_gear_order(self.gears, "gears")
+        return self
+
+
+class PrecisionConfig(_Strict):
+    """Entropy-routed precision (GEARBX, QuickSilver AMQ) or one fixed packed gear."""
+
+    policy: Literal["fixed", "gearbx", "quicksilver"]
+    gear: Precision | None = None
+    """policy "fixed": the precision every managed linear runs."""
+    gears: GearMap | None = Field(None, strict=False)
+    """(low, mid, high) precisions; default (int4, int8, full) for gearbx, (int2, int4, int8)
+    for quicksilver."""
+    routing: Literal["step", "token"] | None = None
+    """"step": one gear per step for the whole batch (the most demanding request decides);
+    "token": each token runs its request's gear, tokens grouped by gear. Default: step for
+    gearbx, token for quicksilver."""
+    modules: tuple[Literal["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ...] = Field(
+        MANAGED_MODULES, strict=False, min_length=1
+    )
+    layer_groups: tuple[LayerGroup, ...] = Field((), strict=False)
+    """Per layer-group gear maps; layers in no group use ``gears``. quicksilver with no groups
+    runs the first half of the layers at its high gear (the paper quantizes from mid-network)."""
+    tiers: Literal["independent", "matryoshka"] | None = None
+    """independent: each precision quantized from the float weight; matryoshka: one int8 tensor,
+    lower tiers are its top bits. Default: independent for gearbx/fixed, matryoshka for
+    quicksilver."""
+    group_size: int | None = Field(32, ge=32)
+    """Group size of int4/int2 scales (and of the Matryoshka int8 base); null: per row."""
+    symmetric: bool = True
+    """int4/int2 independent tiers: symmetric absmax (GEARBX) or asymmetric min/max."""
+    offload_inactive: bool = False
+    """Release tiers the step does not use (and the policy does not pre-warm); restore on use."""
+    telemetry_path: str | None = None
+    """Append one JSON line per finished request (gear counts, entropy and gear trace)."""
+    gearbx: GearbxSettings = GearbxSettings()
+    quicksilver: QuickSilverSettings = QuickSilverSettings()
+
+    @model_validator(mode="after")
+    def _check(self) -> PrecisionConfig:
+        if self.policy == "fixed":
+            if self.gear is None:
+                raise ValueError('policy "fixed" needs "gear" (full, int8, int4 or int2)')
+            if self.gears is not None or self.layer_groups:
+                raise ValueError('policy "fixed" takes "gear", not "gears"/"layer_groups"')
+        elif self.gear is not None:
+            raise ValueError(f'"gear" is for policy "fixed"; policy {self.policy!r} uses "gears"')
+        if self.gears is not None:
+            _check_gear_order(self.gears, "gears")
+        if self.group_size is not None and self.group_size not in (32, 64, 128, 256):
+            raise ValueError("group_size must be one of 32, 64, 128, 256 or null (per row)")
+        spans = sorted(g.layers for g in self.layer_groups)
+        for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+            if s1 < e0:
+                raise ValueError(f"layer_groups overlap: {spans}")
+        if self.gearbx.theta_low >= self.gearbx.theta_high:
+            raise ValueError("gearbx.theta_low must be below gearbx.theta_high")
+        if self.quicksilver.tau_low >= self.quicksilver.tau_high:
+            raise ValueError("quicksilver.tau_low must be below quicksilver.tau_high")
+        return self
+
+    @property
+    def level_gears(self) -> GearMap:
+        if self.policy == "fixed":
+            return (self.gear, self.gear, self.gear)
+        if self.gears is not None:
+            return self.gears
+        return GEARBX_GEARS if self.policy == "gearbx" else QUICKSILVER_GEARS
+
+    @property
+    def effective_routing(self) -> str:
+        if self.routing is not None:
+            return self.routing
+        return "token" if self.policy == "quicksilver" else "step"
+
+    @property
+    def effective_tiers(self) -> str:
+        if self.tiers is not None:
+            return self.tiers
+        return "matryoshka" if self.policy == "quicksilver" else "independent"
+
+    def layer_map(self, layer: int, num_layers: int) -> GearMap:
+        """The (low, mid, high) precisions of one decoder layer."""
+        for g in self.layer_groups:
+            if g.layers[0] <= layer < g.layers[1]:
+                return g.gears
+        if self.policy == "quicksilver" and not self.layer_groups and layer < num_layers // 2:
+            high = self.level_gears[2]
+            return (high, high, high)
+        return self.level_gears
 
 
 class AdaptiveConfig(_Strict):
     """Engine-wide adaptive settings (one per vLLM engine)."""
 
-    mode: Literal["off"] = "off"
-    """Which adaptive mechanisms run. "off": the adaptive model class runs with
-    every mechanism disabled and produces exactly stock vLLM's output."""
+    mode: Literal["on", "off"] = "on"
+    """"off": every configured mechanism is disabled and the adaptive model class produces
+    exactly stock vLLM's output (a kill switch that keeps the rest of the config)."""
+    precision: PrecisionConfig | None = None
 
     @property
     def any_mechanism_enabled(self) -> bool:
-        return self.mode != "off"
+        return self.mode == "on" and self.precision is not None
+
+    @property
+    def active_precision(self) -> PrecisionConfig | None:
+        return self.precision if self.mode == "on" else None
 
 
 def format_validation_error(err: ValidationError, root: str) -> str:

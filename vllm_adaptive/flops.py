@@ -57,3 +57,23 @@ class DenseShape:
         layers = self.num_layers if mean_layers is None else mean_layers
         per_layer = self.layer_linear_flops() + self.layer_attention_flops(context_len)
         return layers * per_layer + self.lm_head_flops()
+
+    def decoder_linear_params(self) -> float:
+        """Parameters of the decoder layers' linear weights (what precision gears manage)."""
+        return self.num_layers * self.layer_linear_flops() / 2.0
+
+    def weight_params_read_per_token(self) -> float:
+        """Weights one decode step reads: decoder linears plus the LM head."""
+        return self.decoder_linear_params() + self.hidden * self.vocab
+
+
+#: Bytes per parameter each precision reads with packed kernels (GEARBX table 7; int2 is ours).
+BYTES_PER_PARAM = {"full": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}
+
+
+def ideal_speedup(managed_fraction: float, gear_fractions: dict[str, float]) -> float:
+    """GEARBX's bandwidth anchor 1/((1-f) + f/k), with 1/k averaged over the gears run."""
+    inv_k = sum(
+        frac * BYTES_PER_PARAM[g] / BYTES_PER_PARAM["full"] for g, frac in gear_fractions.items()
+    )
+    return 1.0 / ((1.0 - managed_fraction) + managed_fraction * inv_k)

@@ -17,3 +17,9 @@ def describe_model(model: Any) -> dict[str, Any]:
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "adaptive_config": adaptive.model_dump() if adaptive is not None else None,
     }
+
+
+def gear_telemetry(model: Any) -> dict[str, Any] | None:
+    """Per-request gear statistics and traces of a precision engine (None without one)."""
+    controller = getattr(model, "precision", None)
+    return controller.telemetry() if controller is not None else None

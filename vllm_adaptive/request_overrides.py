@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
@@ -33,7 +33,11 @@ class RequestOverrides(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     mode: Literal["off"] | None = None
-    """"off": run this request with every adaptive mechanism disabled."""
+    """"off": run this request with every adaptive mechanism disabled (full precision)."""
+    gear: Literal["low", "mid", "high"] | None = None
+    """Pin this request's precision gear level (engines with ``adaptive.precision``)."""
+    request_tag: str | None = Field(None, min_length=1, max_length=200)
+    """Name under which the request's telemetry (gear counts, traces) is recorded."""
 
 
 def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOverrides:
@@ -84,7 +88,13 @@ class AdaptiveRequestValidator(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        parse_request_overrides(sampling_params.extra_args)
+        overrides = parse_request_overrides(sampling_params.extra_args)
+        if overrides.mode == "off" and overrides.gear is not None:
+            raise VLLMValidationError(
+                "adaptive_mode='off' and adaptive_gear contradict each other; give one",
+                parameter="adaptive_gear",
+                value=overrides.gear,
+            )
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         # Built in every engine's worker at start: the one place that sees the
@@ -96,7 +106,13 @@ class AdaptiveRequestValidator(LogitsProcessor):
         return True  # never applied to greedy batches; a no-op otherwise
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        pass
+        # The one hook vLLM calls before every forward with the persistent batch's changes:
+        # the precision controller mirrors them to keep per-request gear state per slot.
+        from vllm_adaptive.precision.controller import current
+
+        controller = current()
+        if controller is not None:
+            controller.update_batch(batch_update)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -37,6 +37,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", required=True, metavar="OUT.json", help="where to write the results")
     p.add_argument("--plot", metavar="OUT.png", help="quality loss vs speed-up plot")
+    p.add_argument(
+        "--gear-trace",
+        metavar="OUT.png",
+        help="entropy and gear over the tokens of one teacher-forced stream per corpus, per "
+        "precision run",
+    )
     p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="default 1,8,32")
     p.add_argument(
         "--max-tokens",
@@ -72,6 +78,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="skip torch.compile in every engine"
     )
     p.add_argument(
-        "--kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE per engine"
+        "--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (GiB) per engine"
     )
     p.add_argument("--seed", type=int, default=0)

@@ -39,7 +39,16 @@ def measure_throughput(
 
     def timed(batch: list[list[int]], n: int) -> float:
         llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"adaptive_request_tag": f"tp-b{len(batch)}-n{n}-{j}"},
+            )
+            for j in range(len(batch))
+        ]
         t0 = time.perf_counter()
         outs = _generate(llm, batch, params)
         dt = time.perf_counter() - t0
@@ -83,9 +92,9 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
             ignore_eos=True,
             logprobs=1,
             detokenize=False,
-            extra_args={FORCE_KEY: s["forced"]},
+            extra_args={FORCE_KEY: s["forced"], "adaptive_request_tag": f"tf{i}"},
         )
-        for s in streams
+        for i, s in enumerate(streams)
     ]
     t0 = time.perf_counter()
     outs = _generate(llm, prompts, params)
@@ -117,6 +126,8 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     from vllm_adaptive.bench.teacher_forcing import TeacherForcingLogitsProcessor
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_cache_gib"]))
+    # gear telemetry is read with LLM.apply_model (an importable function, pickled by reference)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -137,7 +148,24 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     )
     if spec["teacher_forcing"]:
         out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
+    if spec["additional_config"]:
+        out["gears"] = collect_gear_telemetry(llm)
     return out, llm
+
+
+def collect_gear_telemetry(llm: Any) -> dict[str, Any] | None:
+    """The precision controller's per-request records (None without gears)."""
+    from vllm_adaptive.introspection import gear_telemetry
+
+    tel = llm.apply_model(gear_telemetry)[0]
+    if tel is None:
+        return None
+    records = {}
+    for rec in tel["finished"] + tel["live"]:
+        records[rec["tag"]] = rec  # live slots of finished requests repeat them
+    tel["requests"] = records
+    del tel["finished"], tel["live"]
+    return tel
 
 
 def main() -> None:

@@ -158,6 +158,69 @@ def summarize(
     }
 
 
+def gear_summary(
+    result: dict[str, Any], workload: dict[str, Any], shape: DenseShape, corpora: list
+) -> dict[str, Any] | None:
+    """Gear distribution per workload (teacher-forced streams per corpus, throughput runs) and
+    GEARBX's ideal bandwidth speed-up for that distribution."""
+    tel = result.get("gears")
+    if not tel:
+        return None
+    reqs = tel["requests"]
+    ratios = tel["level_byte_ratios"]
+    f = shape.decoder_linear_params() / shape.weight_params_read_per_token()
+
+    def distribution(records: list[dict[str, Any]]) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for r in records:
+            for g, n in r["gear_tokens"].items():
+                counts[g] = counts.get(g, 0) + n
+        total = sum(counts.values()) or 1
+        frac = {g: n / total for g, n in counts.items()}
+        inv_k = sum(frac[g] * ratios[g] for g in frac)
+        return {
+            "tokens": total,
+            "fractions": frac,
+            "shifts_per_100_tokens": 100 * sum(r["shifts"] for r in records) / total,
+            "ideal_speedup": 1.0 / ((1.0 - f) + f * inv_k),
+        }
+
+    by_corpus = {}
+    for ci, corpus in enumerate(corpora):
+        recs = [
+            reqs[f"tf{i}"]
+            for i, w in enumerate(workload["streams"])
+            if w["corpus"] == ci and f"tf{i}" in reqs
+        ]
+        if recs:
+            by_corpus[Path(corpus.path).name] = distribution(recs)
+    tp = [r for tag, r in reqs.items() if tag.startswith("tp-")]
+    return {
+        "policy": tel["policy"],
+        "routing": tel["routing"],
+        "layer_maps": tel["layer_maps"],
+        "resident_bytes": tel["resident_bytes"],
+        "level_byte_ratios": ratios,
+        "managed_fraction": f,
+        "teacher_forced_by_corpus": by_corpus,
+        "throughput_runs": distribution(tp) if tp else None,
+        "traces": {
+            name: reqs[tag]
+            for name, tag in (
+                (
+                    Path(c.path).name,
+                    next(
+                        (f"tf{i}" for i, w in enumerate(workload["streams"]) if w["corpus"] == ci),
+                        None,
+                    ),
+                )
+                for ci, c in enumerate(corpora)
+            )
+            if tag in reqs
+        },
+    }
+
+
 def compare(
     run: dict[str, Any], baseline: dict[str, Any], run_raw: dict[str, Any], base_raw: dict[str, Any]
 ) -> dict[str, Any]:
@@ -231,6 +294,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         # Later mechanisms report the depths/precisions they ran; with none, full cost.
         summary = summarize(raw, workload, stock_flops, len(corpora))
         entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
+        gears = gear_summary(raw, workload, shape, corpora)
+        if gears is not None:
+            entry["gears"] = gears
         _log(
             f"{json.dumps(c)}: ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), agreement "
             f"{entry['greedy_agreement']:.4f}, speedup "
@@ -269,4 +335,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         plot_pareto(results, args.plot)
         _log(f"wrote {args.plot}")
+    if args.gear_trace:
+        from vllm_adaptive.bench.plot import plot_gear_traces
+
+        if plot_gear_traces(results, args.gear_trace):
+            _log(f"wrote {args.gear_trace}")
+        else:
+            _log("no gear traces to plot (no run used adaptive.precision)")
     return 0

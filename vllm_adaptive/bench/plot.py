@@ -50,3 +50,57 @@ def plot_pareto(results: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+_GEAR_Y = {"low": 0, "mid": 1, "high": 2, "off": 3}
+
+
+def plot_gear_traces(results: dict[str, Any], path: str) -> bool:
+    """Entropy (bits) and gear over the tokens of one teacher-forced stream per corpus, one
+    row per precision run. Returns False when no run recorded gears."""
+    runs = [r for r in results["runs"] if r.get("gears") and r["gears"]["traces"]]
+    if not runs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = sorted({name for r in runs for name in r["gears"]["traces"]})
+    fig, axes = plt.subplots(
+        len(runs), len(corpora), figsize=(6 * len(corpora), 2.6 * len(runs)), squeeze=False
+    )
+    for row, run in enumerate(runs):
+        policy = run["gears"]["policy"]
+        maps = run["gears"]["layer_maps"]
+        for col, name in enumerate(corpora):
+            ax = axes[row][col]
+            trace = run["gears"]["traces"].get(name)
+            if trace is None:
+                ax.set_visible(False)
+                continue
+            ent = trace["entropy_bits"]
+            gears = [_GEAR_Y[g] for g in trace["gears"]]
+            ax.plot(range(len(ent)), ent, color="tab:blue", lw=1, label="entropy (bits)")
+            for key in ("theta_low", "theta_high"):
+                if key in policy:
+                    ax.axhline(policy[key], color="tab:gray", ls=":", lw=0.8)
+            ax.set_ylabel("entropy (bits)", color="tab:blue")
+            ax2 = ax.twinx()
+            ax2.step(range(len(gears)), gears, where="post", color="tab:red", lw=1.2, label="gear")
+            ax2.set_yticks([0, 1, 2, 3])
+            last = maps[-1] if maps else ["low", "mid", "high", "full"]
+            ax2.set_yticklabels(
+                [f"low ({last[0]})", f"mid ({last[1]})", f"high ({last[2]})", "off"]
+            )
+            ax2.set_ylim(-0.3, 3.3)
+            counts = trace["gear_tokens"]
+            title = f"{policy['policy']} / {name}: " + ", ".join(
+                f"{g} {n}" for g, n in counts.items() if n
+            )
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("teacher-forced token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

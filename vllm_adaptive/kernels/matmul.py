@@ -14,6 +14,10 @@ Paths (names are what :func:`choose_path` returns and what ``path=`` forces):
 - ``int4pack_f32``: the same on ``x.float()``, cast back.
 - ``dequant``: ``F.linear(x, dequantize(packed, x.dtype))``: always correct, any device; the
   reference and the fallback.
+- ``triton``: the Triton kernel of :mod:`vllm_adaptive.kernels.triton_packed`, reading the packed
+  storage directly (every format: int8 / int4 / int2, symmetric or asymmetric, per-row or
+  group-wise), fp16 / bf16 / fp32 activations. CUDA devices only, when triton is installed and
+  ``torch.cuda.is_available()``; there it is what :func:`choose_path` picks.
 - ``dequant_f32``: float32 compute, the weight dequantized in row chunks of at most
   ``DEQUANT_CHUNK_BYTES`` into a reused float32 buffer, each chunk multiplied (``torch.mm``) as
   soon as it is made; the result is cast to x's dtype. Chunking is what makes it usable on large
@@ -30,18 +34,26 @@ scale-and-zero tensor) are prepared once and cached in ``packed.prepared``.
 Dispatch on CPU comes from ``_CPU_RULES`` below, measured with ``tools/bench_packed_kernels.py``
 on this project's CPU (numbers in ``docs/packed-kernels.md`` and cited next to the rules).
 Anything the table does not cover (other activation dtypes, weights no native kernel accepts)
-takes the slow-but-correct ``dequant`` path. Non-CPU devices always take ``dequant`` (dequantize
-then a dense matmul in torch); fused GPU kernels (Triton) are a later addition.
+takes the slow-but-correct ``dequant`` path. CUDA devices take ``triton`` when it can run there
+(not yet measured against ``dequant`` on a GPU: ``tools/bench_triton_kernels.py`` does that) and
+``dequant`` otherwise; every other device takes ``dequant`` (dequantize then a dense matmul).
+``PATHS`` lists the CPU paths; ``ALL_PATHS`` adds ``triton``.
+
+:func:`matmul_planes` is the entry point for a Matryoshka tier in the bit-plane layout
+(:class:`~vllm_adaptive.kernels.planes.MatryoshkaPlanes`): ``triton`` on CUDA, ``dequant``
+elsewhere.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import torch
 import torch.nn.functional as F
 
 from vllm_adaptive.kernels.packed import PackedWeight, dequantize, unpack_codes
+from vllm_adaptive.kernels.planes import MatryoshkaPlanes
 
 INT8PACK = "int8pack"
 INT8PACK_F32 = "int8pack_f32"
@@ -49,7 +61,10 @@ INT4PACK = "int4pack"
 INT4PACK_F32 = "int4pack_f32"
 DEQUANT = "dequant"
 DEQUANT_F32 = "dequant_f32"
-PATHS = (INT8PACK, INT8PACK_F32, INT4PACK, INT4PACK_F32, DEQUANT, DEQUANT_F32)
+TRITON = "triton"
+PATHS = (INT8PACK, INT8PACK_F32, INT4PACK, INT4PACK_F32, DEQUANT, DEQUANT_F32)  # CPU
+ALL_PATHS = PATHS + (TRITON,)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Weight families, each with its own candidate kernels.
 FAMILY_INT8_ROW = "int8-row"  # bits 8, per-row, symmetric: int8pack
@@ -125,10 +140,32 @@ def family(packed: PackedWeight) -> str:
     return FAMILY_DEQUANT
 
 
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on ``device``: CUDA, a GPU present, triton installed.
+
+    triton is only imported (through :mod:`vllm_adaptive.kernels.triton_packed`) when the other
+    two conditions hold, so CPU dispatch never pays for it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    from vllm_adaptive.kernels import triton_packed
+
+    return triton_packed.TRITON_AVAILABLE
+
+
+def _off_cpu_paths(dtype: torch.dtype, device: torch.device) -> list[str]:
+    if dtype in TRITON_DTYPES and triton_usable(device):
+        return [TRITON, DEQUANT]
+    return [DEQUANT]
+
+
 def applicable_paths(packed: PackedWeight, dtype: torch.dtype, device: torch.device) -> list[str]:
     """Every path that computes ``x @ W^T`` correctly for this weight, dtype and device."""
     if torch.device(device).type != "cpu":
-        return [DEQUANT]
+        return _off_cpu_paths(dtype, torch.device(device))
     fam = family(packed)
     paths: list[str] = []
     if fam == FAMILY_INT8_ROW:
@@ -153,7 +190,8 @@ def choose_path(
     """The path :func:`matmul` takes for ``tokens`` rows of ``dtype`` activations."""
     device = torch.device(device) if device is not None else packed.device
     if device.type != "cpu":
-        return DEQUANT  # explicit: no fused kernels off CPU yet (Triton comes later)
+        # CUDA with triton: the fused kernel; anything else: dequantize, then F.linear
+        return _off_cpu_paths(dtype, device)[0]
     rules = _CPU_RULES.get((family(packed), dtype))
     if rules is None:
         return DEQUANT  # unmeasured dtype: the slow-but-correct fallback
@@ -301,7 +339,11 @@ def _run(path: str, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         return F.linear(x, dequantize(packed, x.dtype))
     if path == DEQUANT_F32:
         return _dequant_f32(x, packed)
-    raise ValueError(f"unknown path {path!r}; paths are {PATHS}")
+    if path == TRITON:
+        from vllm_adaptive.kernels.triton_packed import packed_matmul
+
+        return packed_matmul(x, packed)
+    raise ValueError(f"unknown path {path!r}; paths are {ALL_PATHS}")
 
 
 def matmul(x: torch.Tensor, packed: PackedWeight, *, path: str | None = None) -> torch.Tensor:
@@ -332,3 +374,35 @@ def matmul(x: torch.Tensor, packed: PackedWeight, *, path: str | None = None) ->
     if tokens == 0:
         return x.new_zeros(*lead, n)
     return _run(path, x2, packed).reshape(*lead, n)
+
+
+def matmul_planes(
+    x: torch.Tensor, planes: MatryoshkaPlanes, bits: int, *, path: str | None = None
+) -> torch.Tensor:
+    """``x @ W_r^T`` for the ``bits`` tier of a bit-plane Matryoshka weight, in x's dtype.
+
+    ``triton`` (CUDA with triton; reads only the tier's planes) or ``dequant``
+    (``F.linear(x, planes.dequantize(bits, x.dtype))``, any device).
+    """
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    n, k = planes.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects K={k}")
+    if x.device != planes.device:
+        raise ValueError(f"x is on {x.device}, the weight on {planes.device}")
+    paths = [DEQUANT] if x.device.type == "cpu" else _off_cpu_paths(x.dtype, x.device)
+    if path is None:
+        path = paths[0]
+    elif path not in paths:
+        raise ValueError(
+            f"path {path!r} cannot run Matryoshka planes with {x.dtype} on {x.device.type}; "
+            f"applicable: {paths}"
+        )
+    if x.numel() == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    if path == TRITON:
+        from vllm_adaptive.kernels.triton_packed import planes_matmul
+
+        return planes_matmul(x, planes, bits)
+    return F.linear(x, planes.dequantize(bits, x.dtype))

@@ -299,7 +299,8 @@ def coarse_grid_fraction(
     usable = (k // group) * group
     if usable == 0 or n == 0:
         return 0.0
-    rows = torch.linspace(0, n - 1, steps=min(n, sample_rows)).round().long().unique()
+    rows = torch.linspace(0, n - 1, steps=min(n, sample_rows), dtype=torch.float64)
+    rows = rows.round().long().unique()
     blocks = weight[rows.to(weight.device), :usable].reshape(-1, group)
     s, _ = blocks.sort(dim=-1)
     distinct = 1 + (s[:, 1:] != s[:, :-1]).sum(dim=-1)

@@ -9,6 +9,7 @@ token-for-token stock vLLM's (tests/test_identity.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import islice
 
 import torch
@@ -19,15 +20,36 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.precision.controller import PrecisionController
+from vllm_adaptive.precision.install import calibrate_from_prefill, install_precision
 
 
-def check_engine_compatible(vllm_config: VllmConfig) -> None:
+def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -> None:
     """Refuse engine features the adaptive layer loop does not handle yet."""
     spec = vllm_config.speculative_config
     if spec is not None and getattr(spec, "method", None) in ("eagle", "eagle3"):
         raise AdaptiveConfigError(
             f"adaptive: speculative method {spec.method!r} needs auxiliary hidden states "
             "from the target model, which the adaptive layer loop does not produce yet"
+        )
+    if adaptive.active_precision is None:
+        return
+    if spec is not None:
+        raise AdaptiveConfigError(
+            "adaptive.precision: speculative decoding scores several tokens per request per "
+            "step; gear control needs one sampled row per request (turn one of them off)"
+        )
+    cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if (
+        vllm_config.device_config.device.type == "cuda"
+        and cg_mode is not None
+        and cg_mode.has_mode(
+            __import__("vllm.config", fromlist=["CUDAGraphMode"]).CUDAGraphMode.FULL
+        )
+    ):
+        raise AdaptiveConfigError(
+            "adaptive.precision: full CUDA graphs freeze one gear into the graph; run with "
+            "--enforce-eager or a piecewise cudagraph mode"
         )
 
 
@@ -82,9 +104,41 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         layer_type: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
-        check_engine_compatible(vllm_config)
+        check_engine_compatible(vllm_config, adaptive)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.adaptive_config = adaptive
+        self.precision: PrecisionController | None = None
+        self._tokenizer_path = vllm_config.model_config.tokenizer
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        if self.adaptive_config.active_precision is not None:
+            self.precision = install_precision(
+                self, self.adaptive_config.active_precision, self._tokenizer_path
+            )
+        return loaded
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.precision is not None:
+            self.precision.begin_step(positions)
+        hidden = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if self.precision is not None and isinstance(hidden, torch.Tensor):
+            rows = self.precision.calibration_rows()
+            if rows is not None:
+                calibrate_from_prefill(self, hidden, rows)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        if self.precision is not None and logits is not None:
+            self.precision.observe_logits(logits)
+        return logits
 
     def _init_model(
         self,

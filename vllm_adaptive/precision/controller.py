@@ -1,0 +1,312 @@
+"""Per-engine precision controller: request state per batch slot, the step plan, telemetry.
+
+Lives in the worker next to the model. Three hooks drive it, all called by vLLM's own loop:
+
+1. ``update_batch`` (from a logits processor's ``update_state``, before each forward): mirrors
+   the persistent batch: requests added (cold-start gear, per-request overrides), removed,
+   moved or swapped, so slot ``i`` is always the request whose tokens come ``i``-th in the step.
+2. ``begin_step`` (from the model's forward, outside the compiled graph): turns the slots' gear
+   levels into a plan: one level for the whole step (``routing="step"``: the most demanding
+   request decides) or one per token (``routing="token"``: tokens grouped by gear).
+3. ``observe_logits`` (from ``compute_logits``): the entropy of each request's sampled row goes
+   to its policy, which returns the level of that request's next step.
+
+Codes in a plan: 0 low, 1 mid, 2 high (policy levels), 3 full (``adaptive_mode: "off"``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_adaptive.precision.entropy import entropy_bits
+from vllm_adaptive.precision.gears import HIGH, LEVEL_NAMES
+from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
+
+logger = logging.getLogger("vllm.adaptive.precision")
+
+OFF = 3
+CODE_NAMES = (*LEVEL_NAMES, "off")
+
+
+@dataclass
+class Slot:
+    """One request in the persistent batch."""
+
+    tag: str
+    state: RequestGearState
+    prompt_len: int
+    pinned: int | None = None  # a code fixed by the request (gear level or OFF)
+    entropies: list[float] = field(default_factory=list)
+    codes: list[int] = field(default_factory=list)  # code of the step that made each token
+
+    @property
+    def code(self) -> int:
+        return self.pinned if self.pinned is not None else self.state.level
+
+    def record(self, policy: GearPolicy, layer_maps: list[tuple[str, ...]]) -> dict[str, Any]:
+        counts = {name: 0 for name in CODE_NAMES}
+        for c in self.codes:
+            counts[CODE_NAMES[c]] += 1
+        shifts = sum(a != b for a, b in zip(self.codes, self.codes[1:], strict=False))
+        return {
+            "tag": self.tag,
+            "prompt_tokens": self.prompt_len,
+            "generated_tokens": len(self.codes),
+            "gear_tokens": counts,
+            "shifts": shifts,
+            "mean_entropy_bits": float(np.mean(self.entropies)) if self.entropies else None,
+            "entropy_bits": [round(e, 4) for e in self.entropies],
+            "gears": [CODE_NAMES[c] for c in self.codes],
+            "pinned": CODE_NAMES[self.pinned] if self.pinned is not None else None,
+        }
+
+
+@dataclass
+class StepPlan:
+    num_reqs: int
+    codes: np.ndarray  # per request
+    token_codes: torch.Tensor | None  # per token (token routing)
+    last_positions: np.ndarray | None
+    query_start: np.ndarray | None
+    pending_logits: bool = True
+    groups: dict = field(default_factory=dict)
+
+
+class PrecisionController:
+    def __init__(
+        self,
+        precision_config,
+        policy: GearPolicy,
+        layer_maps: list[tuple[str, ...]],
+        tokenizer_path: str | None,
+    ) -> None:
+        self.config = precision_config
+        self.policy = policy
+        self.routing = precision_config.routing
+        self.layer_maps = layer_maps
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer = None
+        self.slots: dict[int, Slot] = {}
+        self.plan: StepPlan | None = None
+        self.finished: list[dict[str, Any]] = []
+        self.max_finished = 4096
+        self.requests_seen = 0
+        self.telemetry_path = precision_config.telemetry_path
+        self._lock = threading.Lock()
+
+    # -- 1. batch mirror -----------------------------------------------------------------------
+    def _prompt_text(self, prompt_ids: list[int] | None) -> str | None:
+        if not prompt_ids or self.tokenizer_path is None:
+            return None
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            except Exception as e:  # cold start then falls back to the mid gear
+                logger.warning("vllm-adaptive: no tokenizer for cold start (%s)", e)
+                self.tokenizer_path = None
+                return None
+        return self._tokenizer.decode(prompt_ids, skip_special_tokens=True)
+
+    def _new_slot(self, params, prompt_ids: list[int] | None) -> Slot:
+        from vllm_adaptive.request_overrides import parse_request_overrides
+
+        overrides = parse_request_overrides(params.extra_args if params else None)
+        self.requests_seen += 1
+        tag = overrides.request_tag or f"req{self.requests_seen}"
+        pinned = None
+        if overrides.mode == "off":
+            pinned = OFF
+        elif overrides.gear is not None:
+            pinned = LEVEL_NAMES.index(overrides.gear)
+        state = self.policy.start(self._prompt_text(prompt_ids) if pinned is None else None)
+        return Slot(tag=tag, state=state, prompt_len=len(prompt_ids or ()), pinned=pinned)
+
+    def _finish(self, slot: Slot | None) -> None:
+        if slot is None:
+            return
+        rec = slot.record(self.policy, self.layer_maps)
+        self.finished.append(rec)
+        del self.finished[: -self.max_finished]
+        if self.telemetry_path:
+            with open(self.telemetry_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def update_batch(self, batch_update) -> None:
+        if not batch_update:
+            return
+        with self._lock:
+            for index in batch_update.removed:
+                self._finish(self.slots.pop(index, None))
+            for index, params, prompt_ids, _out in batch_update.added:
+                self._finish(self.slots.pop(index, None))
+                self.slots[index] = self._new_slot(params, prompt_ids)
+            for a, b, direction in batch_update.moved:
+                sa, sb = self.slots.pop(a, None), self.slots.pop(b, None)
+                if sa is not None:
+                    self.slots[b] = sa
+                if sb is not None and direction.name == "SWAP":
+                    self.slots[a] = sb
+                elif sb is not None:
+                    self._finish(sb)
+
+    # -- 2. the step plan ----------------------------------------------------------------------
+    def begin_step(self, positions: torch.Tensor) -> None:
+        num_tokens = positions.shape[0]
+        qsl = _query_start_loc()
+        num_reqs = len(qsl) - 1 if qsl is not None else 0
+        if (
+            qsl is None
+            or num_reqs != len(self.slots)
+            or any(i not in self.slots for i in range(num_reqs))
+        ):
+            # A dummy / profiling run, or a batch we cannot map: everything at the high gear.
+            self.plan = StepPlan(0, np.full(1, HIGH), None, None, None, pending_logits=False)
+            return
+        codes = np.array([self.slots[i].code for i in range(num_reqs)], dtype=np.int64)
+        token_codes = None
+        if self.routing == "token" and len(set(codes.tolist())) > 1:
+            counts = np.diff(qsl)
+            token_codes = torch.from_numpy(np.repeat(codes, counts)[:num_tokens])
+            if token_codes.shape[0] < num_tokens:  # padding rows: run them at the high gear
+                pad = torch.full((num_tokens - token_codes.shape[0],), HIGH, dtype=torch.int64)
+                token_codes = torch.cat([token_codes, pad])
+        last = positions[torch.from_numpy(qsl[1:] - 1).to(positions.device)].cpu().numpy()
+        self.plan = StepPlan(num_reqs, codes, token_codes, last, qsl)
+
+    def groups(self, level_precisions: tuple[str, ...], num_tokens: int):
+        """``[(precision, token index or None)]`` for a layer whose codes map to precisions."""
+        plan = self.plan
+        if plan is None or plan.token_codes is None or plan.token_codes.shape[0] != num_tokens:
+            code = int(plan.codes.max()) if plan is not None else HIGH
+            return [(level_precisions[code], None)]
+        got = plan.groups.get(level_precisions)
+        if got is None:
+            by_precision: dict[str, list[int]] = {}
+            for code in np.unique(plan.codes).tolist():
+                by_precision.setdefault(level_precisions[code], []).append(code)
+            if len(by_precision) == 1:
+                got = [(next(iter(by_precision)), None)]
+            else:
+                tc = plan.token_codes
+                got = []
+                for precision, codes in by_precision.items():
+                    mask = torch.zeros_like(tc, dtype=torch.bool)
+                    for c in codes:
+                        mask |= tc == c
+                    got.append((precision, mask.nonzero().squeeze(1)))
+            plan.groups[level_precisions] = got
+        return got
+
+    # -- 3. entropy ----------------------------------------------------------------------------
+    def observe_logits(self, logits: torch.Tensor) -> None:
+        plan = self.plan
+        if plan is None or not plan.pending_logits or logits.shape[0] != plan.num_reqs:
+            return  # prompt-logprob rows, dummy runs, or speculative layouts: not a sampled step
+        plan.pending_logits = False
+        ent = entropy_bits(logits).tolist()
+        with self._lock:
+            for i, e in enumerate(ent):
+                slot = self.slots.get(i)
+                if slot is None or plan.last_positions[i] + 1 < slot.prompt_len:
+                    continue  # a partial prefill chunk: its sample is discarded
+                slot.entropies.append(e)
+                slot.codes.append(int(plan.codes[i]))
+                self.policy.observe(slot.state, e)
+
+    def calibration_rows(self) -> tuple[int, int] | None:
+        """Token range of a prefill chunk in this step with >= 5 tokens, if the policy wants one."""
+        plan = self.plan
+        if not self.policy.wants_calibration or plan is None or plan.query_start is None:
+            return None
+        counts = np.diff(plan.query_start)
+        i = int(np.argmax(counts))
+        if counts[i] < 5:
+            return None
+        return int(plan.query_start[i]), int(plan.query_start[i + 1])
+
+    def calibrate(self, entropies: list[float]) -> None:
+        self.policy.calibrate(entropies)
+        logger.info("vllm-adaptive: gear thresholds calibrated: %s", self.policy.describe())
+
+    # -- telemetry -----------------------------------------------------------------------------
+    def resident_bytes(self) -> dict[str, int]:
+        return resident_bytes(getattr(self, "geared", []))
+
+    def level_byte_ratios(self) -> dict[str, float]:
+        """Weight bytes a step at each gear level reads, relative to full precision."""
+        from vllm_adaptive.flops import BYTES_PER_PARAM
+
+        geared = getattr(self, "geared", [])
+        total = sum(g.tiers.shape[0] * g.tiers.shape[1] for g in geared) or 1
+        return {
+            name: sum(
+                g.tiers.shape[0] * g.tiers.shape[1] * BYTES_PER_PARAM[g.level_precisions[code]]
+                for g in geared
+            )
+            / (total * BYTES_PER_PARAM["full"])
+            for code, name in enumerate(CODE_NAMES)
+        }
+
+    def telemetry(self) -> dict[str, Any]:
+        with self._lock:
+            live = [s.record(self.policy, self.layer_maps) for _, s in sorted(self.slots.items())]
+        return {
+            "policy": self.policy.describe(),
+            "routing": self.routing,
+            "layer_maps": [list(m) for m in self.layer_maps],
+            "resident_bytes": self.resident_bytes(),
+            "level_byte_ratios": self.level_byte_ratios(),
+            "finished": list(self.finished),
+            "live": live,
+        }
+
+
+def _query_start_loc() -> np.ndarray | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):
+        md = md[0] if md else None
+    if isinstance(md, dict):
+        md = next(iter(md.values()), None)
+    qsl = getattr(md, "query_start_loc", None)
+    if qsl is None:
+        return None
+    n = int(qsl.shape[0])
+    return qsl.cpu().numpy()[:n].astype(np.int64)
+
+
+_CONTROLLERS: list[PrecisionController] = []
+
+
+def register(controller: PrecisionController) -> None:
+    """Make the controller findable by the logits processor in this worker process."""
+    _CONTROLLERS.append(controller)
+
+
+def current() -> PrecisionController | None:
+    return _CONTROLLERS[-1] if _CONTROLLERS else None
+
+
+def resident_bytes(geared) -> dict[str, int]:
+    """Packed bytes each precision keeps resident, summed over the geared linears."""
+    out: dict[str, int] = {}
+    for g in geared:
+        for p in g.tiers.tiers:
+            out[p] = out.get(p, 0) + g.tiers.resident_bytes(p)
+        shared = g.tiers.shared_bytes()
+        if shared:
+            out["matryoshka_int8_storage"] = out.get("matryoshka_int8_storage", 0) + shared
+        out["full"] = out.get("full", 0) + g.full_bytes
+    return out

@@ -1,0 +1,105 @@
+"""The geared linear method: a vLLM linear layer that runs the precision its tokens' gear names.
+
+Installed over a linear layer's ``quant_method`` after weights load. ``apply`` calls one custom
+op, ``torch.ops.vllm_adaptive.geared_linear(x, index, out_features)``, so that a compiled model
+graph (vLLM's torch.compile) keeps the call opaque and the gear is read at run time from the
+step plan, not frozen into the graph. Inside the op the tokens of the step are grouped by the
+precision their gear level maps to in this layer's group, each group is multiplied by its packed
+tier through :func:`vllm_adaptive.kernels.matmul.matmul` (``full``: the layer's own method), and
+the results are scattered back in token order.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.linear import LinearMethodBase
+
+from vllm_adaptive.kernels.matmul import matmul
+from vllm_adaptive.precision.tiers import LinearTiers
+
+_LINEARS: list[GearedLinear] = []
+_LIB = torch.library.Library("vllm_adaptive", "FRAGMENT")  # noqa: TID251 - our own namespace
+
+
+class GearedLinear:
+    """Mechanism for one linear layer: its tiers and its level -> precision map."""
+
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        name: str,
+        level_precisions: tuple[str, ...],
+        tiers: LinearTiers,
+        base_method,
+        controller,
+    ) -> None:
+        self.layer = layer
+        self.name = name
+        self.level_precisions = level_precisions  # index: code (0 low, 1 mid, 2 high, 3 off)
+        self.tiers = tiers
+        self.base_method = base_method
+        self.controller = controller
+        self.keep_full = True  # mode "off" requests run the float weight on any engine
+        w = layer.weight
+        self.full_bytes = w.numel() * w.element_size()
+        self.index = len(_LINEARS)
+        _LINEARS.append(self)
+
+    def run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
+        if precision == "full":
+            return self.base_method.apply(self.layer, x, getattr(self.layer, "bias", None))
+        y = matmul(x, self.tiers.tiers[precision])
+        bias = getattr(self.layer, "bias", None)
+        return y + bias if bias is not None else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.controller.groups(self.level_precisions, x.shape[0])
+        if len(groups) == 1:
+            return self.run(x, groups[0][0])
+        out = x.new_empty(x.shape[0], self.tiers.shape[0])
+        for precision, index in groups:
+            out.index_copy_(0, index, self.run(x.index_select(0, index), precision))
+        return out
+
+
+def _geared_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    return _LINEARS[index].forward(x)
+
+
+def _geared_linear_fake(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+_LIB.define("geared_linear(Tensor x, int index, int out_features) -> Tensor")
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("geared_linear", _geared_linear, _key)
+_LIB._register_fake("geared_linear", _geared_linear_fake)
+
+
+class GearedLinearMethod(LinearMethodBase):
+    """Replaces a linear layer's quant method; the original one still serves the full gear."""
+
+    def __init__(self, geared: GearedLinear) -> None:
+        self.geared = geared
+
+    def create_weights(self, *args, **kwargs):  # pragma: no cover - installed after loading
+        raise RuntimeError("GearedLinearMethod is installed after weights are created")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.geared.keep_full:
+            self.geared.base_method.process_weights_after_loading(layer)
+        else:
+            # No gear of this layer runs the float weight: free it.
+            layer.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device),
+                requires_grad=False,
+            )
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = torch.ops.vllm_adaptive.geared_linear(
+            x.reshape(-1, x.shape[-1]), self.geared.index, self.geared.tiers.shape[0]
+        )
+        return out.reshape(*lead, out.shape[-1])

@@ -1,0 +1,126 @@
+"""Packed tiers of one linear weight, and what they keep resident.
+
+Two ways to hold the precisions a linear may run at:
+
+- ``independent``: each precision quantized straight from the float weight: int8 per-row
+  symmetric (the layout the int8 kernel reads), int4 / int2 with the configured group size and
+  symmetry. Best quality per tier; memory is the sum of the tiers.
+- ``matryoshka``: one symmetric int8 tensor (grouped as configured); int4 and int2 are its most
+  significant bits (:mod:`vllm_adaptive.kernels.matryoshka`). All tiers cost the int8 storage;
+  kernels that need their own layout (CPU int4pack) prepare it when the tier is activated.
+
+``release`` / ``restore`` move a tier's kernel layouts off and back onto the device: on a GPU
+the packed tensors go to host memory; on CPU the host *is* the device, so releasing drops the
+prepared kernel layouts (rebuilt on restore from the stored codes) and the bytes that change are
+exactly those layouts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_adaptive.kernels.matmul import prepare
+from vllm_adaptive.kernels.matryoshka import MatryoshkaWeight, matryoshka_quantize
+from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
+from vllm_adaptive.precision.gears import BITS
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+def packed_resident_bytes(p: PackedWeight) -> int:
+    """Codes, scales, offsets and every prepared kernel layout of ``p``."""
+    return p.nbytes + _tensor_bytes(p.prepared)
+
+
+@dataclass
+class LinearTiers:
+    """The packed precisions of one linear weight ``[N, K]``."""
+
+    shape: tuple[int, int]
+    tiers: dict[str, PackedWeight | None]  # None: a released Matryoshka tier
+    matryoshka: MatryoshkaWeight | None = None
+    released: set[str] = field(default_factory=set)
+
+    @classmethod
+    def build(
+        cls,
+        weight: torch.Tensor,
+        precisions: set[str],
+        layout: str,
+        group_size: int | None,
+        symmetric: bool,
+    ) -> LinearTiers:
+        w = weight.detach().to(torch.float32)
+        tiers: dict[str, PackedWeight] = {}
+        m = None
+        with warnings.catch_warnings():
+            # The caller reports double quantization once per model, not once per weight.
+            warnings.simplefilter("ignore", DoubleQuantizationWarning)
+            if layout == "matryoshka":
+                m = matryoshka_quantize(w, group_size, check_double_quant=False)
+                for p in precisions - {"full"}:
+                    tiers[p] = m.tier(BITS[p])
+            else:
+                for p in precisions - {"full"}:
+                    bits = BITS[p]
+                    if bits == 8:  # the int8 kernel reads per-row symmetric scales
+                        tiers[p] = quantize(w, 8, None, check_double_quant=False)
+                    else:
+                        tiers[p] = quantize(
+                            w, bits, group_size, symmetric=symmetric, check_double_quant=False
+                        )
+        return cls(shape=tuple(w.shape), tiers=tiers, matryoshka=m)
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Build kernel layouts of every non-released tier for activations of ``dtype``."""
+        for name, p in self.tiers.items():
+            if name not in self.released:
+                prepare(p, dtype)
+
+    def release(self, precision: str) -> None:
+        p = self.tiers[precision]
+        if p.device.type != "cpu":
+            self.tiers[precision] = p.to("cpu")
+        elif self.matryoshka is not None and BITS[precision] != 8:
+            self.matryoshka.tiers.pop(BITS[precision], None)  # rebuilt from the int8 bits
+            self.tiers[precision] = None
+        else:
+            p.prepared.clear()
+        self.released.add(precision)
+
+    def restore(self, precision: str, device: torch.device, dtype: torch.dtype) -> None:
+        p = self.tiers[precision]
+        if p is None:
+            p = self.tiers[precision] = self.matryoshka.tier(BITS[precision])
+        if p.device != device:
+            p = self.tiers[precision] = p.to(device)
+        prepare(p, dtype)
+        self.released.discard(precision)
+
+    def resident_bytes(self, precision: str) -> int:
+        """Device bytes one tier adds (its codes, scales and prepared kernel layouts).
+
+        A Matryoshka int8 tier is the shared storage (see :meth:`shared_bytes`); only its
+        prepared scales are its own.
+        """
+        p = self.tiers[precision]
+        if p is None or (precision in self.released and p.device.type != "cpu"):
+            return 0
+        if self.matryoshka is not None and p is self.matryoshka.base:
+            return _tensor_bytes(p.prepared)
+        return packed_resident_bytes(p)
+
+    def shared_bytes(self) -> int:
+        """The Matryoshka int8 storage (shared by all its tiers), 0 for independent tiers."""
+        return packed_resident_bytes(self.matryoshka.base) if self.matryoshka else 0
