@@ -109,6 +109,10 @@ def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:
         str(corpus),
         "--config",
         "{}",
+        "--config",
+        json.dumps({"precision": {"policy": "quicksilver"}}),
+        "--gear-trace",
+        str(tmp_path / "gears.png"),
         "--json",
         str(out),
         "--plot",
@@ -145,8 +149,9 @@ def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:
     # decode-path forcing and one prefill pass score the same tokens: they must agree
     assert math.isclose(base["ppl"], base["ppl_prefill"], rel_tol=0.03)
 
-    (run,) = res["runs"]
+    run, geared = res["runs"]
     assert run["config"] == {}
+    assert "gears" not in run
     for key in (
         "decode_tokens_per_s",
         "ttft_s",
@@ -170,6 +175,18 @@ def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:
         for b in ("1", "2"):
             lo, hi = sorted(r[b] for r in rounds)
             assert lo <= entry["decode_tokens_per_s"][b] <= hi
+
+    # QuickSilver tiers: gear distribution, traces, resident bytes, the GEARBX ideal anchor
+    g = geared["gears"]
+    assert g["policy"]["policy"] == "quicksilver" and g["routing"] == "token"
+    dist = g["teacher_forced_by_corpus"]["code.txt"]
+    assert dist["tokens"] == 3 * 24 and math.isclose(sum(dist["fractions"].values()), 1.0)
+    assert 1.0 <= dist["ideal_speedup"] < 1.0 / (1.0 - g["managed_fraction"])
+    trace = g["traces"]["code.txt"]
+    assert len(trace["entropy_bits"]) == len(trace["gears"]) == 24
+    assert g["resident_bytes"]["matryoshka_int8_storage"] > 0
+    assert geared["ppl"] > 1.0 and 0.0 <= geared["greedy_agreement"] <= 1.0
+    assert (tmp_path / "gears.png").stat().st_size > 10_000
 
     env = res["env"]
     assert env["vllm"] and env["torch"] and env["cores"] >= 1

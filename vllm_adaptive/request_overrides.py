@@ -14,6 +14,7 @@ validator itself never changes logits.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+logger = logging.getLogger("vllm.adaptive.requests")
 
 #: Prefix of every per-request adaptive key in `extra_args`.
 EXTRA_ARGS_PREFIX = "adaptive_"
@@ -113,6 +116,16 @@ class AdaptiveRequestValidator(LogitsProcessor):
         controller = current()
         if controller is not None:
             controller.update_batch(batch_update)
+        elif batch_update:
+            for _, params, _, _ in batch_update.added:
+                extra = (params.extra_args or {}) if params is not None else {}
+                if "adaptive_gear" in extra:
+                    # validate_params gets no engine config, so this cannot be a 400; say it.
+                    logger.warning(
+                        "vllm-adaptive: adaptive_gear=%r ignored: this engine has no "
+                        "adaptive.precision section",
+                        extra["adaptive_gear"],
+                    )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

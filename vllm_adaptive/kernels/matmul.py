@@ -201,6 +201,57 @@ def choose_path(
     return DEQUANT
 
 
+def dispatch_paths(packed: PackedWeight, dtype: torch.dtype) -> list[str]:
+    """The paths :func:`choose_path` can pick for this weight and dtype at any token count:
+    the layouts worth preparing (preparing every applicable path wastes memory)."""
+    if packed.device.type != "cpu":
+        return _off_cpu_paths(dtype, packed.device)[:1]
+    rules = _CPU_RULES.get((family(packed), dtype), ((_INF, DEQUANT),))
+    return list(dict.fromkeys(path for _, path in rules))
+
+
+def choose_path_cached(packed: PackedWeight, tokens: int, dtype: torch.dtype) -> str:
+    """:func:`choose_path` with the weight's CPU rules cached on it (hot loops)."""
+    if packed.device.type != "cpu":
+        return choose_path(packed, tokens, dtype)
+    key = ("rules", dtype)
+    rules = packed.prepared.get(key)
+    if rules is None:
+        rules = packed.prepared[key] = _CPU_RULES.get((family(packed), dtype), ((_INF, DEQUANT),))
+    for max_tokens, path in rules:
+        if tokens <= max_tokens:
+            return path
+    return DEQUANT
+
+
+def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
+    """``x -> x @ W^T`` on ``path`` for 2-D contiguous ``x`` of ``dtype`` on the weight's device,
+    with the prepared layouts bound: no checks and no lookups, for per-layer hot loops whose
+    caller guarantees shapes (the geared linear). Cached on the weight; released with it."""
+    key = ("bound", path, dtype)
+    fn = packed.prepared.get(key)
+    if fn is None:
+        if path == INT8PACK:
+            op, w, sc = torch.ops.aten._weight_int8pack_mm, packed.data, _int8_scales(packed, dtype)
+
+            def fn(x: torch.Tensor) -> torch.Tensor:
+                return op(x, w, sc)
+        elif path == INT4PACK:
+            op = torch.ops.aten._weight_int4pack_mm_for_cpu
+            w, g = _int4_weight(packed), int4pack_group(packed)
+            sz = _int4_scale_zeros(packed, dtype)
+
+            def fn(x: torch.Tensor) -> torch.Tensor:
+                return op(x, w, g, sz)
+        else:
+
+            def fn(x: torch.Tensor) -> torch.Tensor:
+                return _run(path, x, packed)
+
+        packed.prepared[key] = fn
+    return fn
+
+
 # ---------------------------------------------------------------------------------------------
 # Prepared layouts (cached on the PackedWeight)
 # ---------------------------------------------------------------------------------------------

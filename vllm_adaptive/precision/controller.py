@@ -77,6 +77,7 @@ class StepPlan:
     query_start: np.ndarray | None
     pending_logits: bool = True
     groups: dict = field(default_factory=dict)
+    num_tokens: int = -1
 
 
 class PrecisionController:
@@ -185,11 +186,15 @@ class PrecisionController:
     def groups(self, level_precisions: tuple[str, ...], num_tokens: int):
         """``[(precision, token index or None)]`` for a layer whose codes map to precisions."""
         plan = self.plan
-        if plan is None or plan.token_codes is None or plan.token_codes.shape[0] != num_tokens:
-            code = int(plan.codes.max()) if plan is not None else HIGH
-            return [(level_precisions[code], None)]
+        if plan is None:
+            return [(level_precisions[HIGH], None)]
         got = plan.groups.get(level_precisions)
-        if got is None:
+        if got is not None and plan.num_tokens == num_tokens:
+            return got
+        if plan.token_codes is None or plan.token_codes.shape[0] != num_tokens:
+            # step routing (or a layout we cannot map): the most demanding request decides
+            got = [(level_precisions[int(plan.codes.max())], None)]
+        else:
             by_precision: dict[str, list[int]] = {}
             for code in np.unique(plan.codes).tolist():
                 by_precision.setdefault(level_precisions[code], []).append(code)
@@ -203,7 +208,8 @@ class PrecisionController:
                     for c in codes:
                         mask |= tc == c
                     got.append((precision, mask.nonzero().squeeze(1)))
-            plan.groups[level_precisions] = got
+        plan.groups[level_precisions] = got
+        plan.num_tokens = num_tokens
         return got
 
     # -- 3. entropy ----------------------------------------------------------------------------

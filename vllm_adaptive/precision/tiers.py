@@ -22,25 +22,43 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_adaptive.kernels.matmul import prepare
+from vllm_adaptive.kernels.matmul import dispatch_paths, prepare
 from vllm_adaptive.kernels.matryoshka import MatryoshkaWeight, matryoshka_quantize
 from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
 from vllm_adaptive.precision.gears import BITS
 
 
-def _tensor_bytes(obj) -> int:
+def _storages(obj, seen: dict[int, int]) -> None:
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(o) for o in obj.values())
-    return 0
+        st = obj.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _storages(o, seen)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _storages(o, seen)
+
+
+def _tensor_bytes(*objs) -> int:
+    """Bytes of the distinct storages behind ``objs`` (views of one tensor count once)."""
+    seen: dict[int, int] = {}
+    for o in objs:
+        _storages(o, seen)
+    return sum(seen.values())
 
 
 def packed_resident_bytes(p: PackedWeight) -> int:
     """Codes, scales, offsets and every prepared kernel layout of ``p``."""
-    return p.nbytes + _tensor_bytes(p.prepared)
+    return _tensor_bytes([p.data, p.scales, p.offsets], p.prepared)
+
+
+def _shares(t, p: PackedWeight) -> bool:
+    """Whether a prepared tensor is a view of the weight's own codes / scales / offsets."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    own = {x.untyped_storage().data_ptr() for x in (p.data, p.scales, p.offsets) if x is not None}
+    return t.untyped_storage().data_ptr() in own
 
 
 @dataclass
@@ -85,8 +103,9 @@ class LinearTiers:
     def prepare(self, dtype: torch.dtype) -> None:
         """Build kernel layouts of every non-released tier for activations of ``dtype``."""
         for name, p in self.tiers.items():
-            if name not in self.released:
-                prepare(p, dtype)
+            if name not in self.released and p is not None:
+                for path in dispatch_paths(p, dtype):
+                    prepare(p, dtype, path)
 
     def release(self, precision: str) -> None:
         p = self.tiers[precision]
@@ -105,7 +124,8 @@ class LinearTiers:
             p = self.tiers[precision] = self.matryoshka.tier(BITS[precision])
         if p.device != device:
             p = self.tiers[precision] = p.to(device)
-        prepare(p, dtype)
+        for path in dispatch_paths(p, dtype):
+            prepare(p, dtype, path)
         self.released.discard(precision)
 
     def resident_bytes(self, precision: str) -> int:
@@ -118,7 +138,9 @@ class LinearTiers:
         if p is None or (precision in self.released and p.device.type != "cpu"):
             return 0
         if self.matryoshka is not None and p is self.matryoshka.base:
-            return _tensor_bytes(p.prepared)
+            return _tensor_bytes(p.prepared) - _tensor_bytes(
+                [t for t in p.prepared.values() if _shares(t, p)]
+            )
         return packed_resident_bytes(p)
 
     def shared_bytes(self) -> int:
