@@ -1,0 +1,50 @@
+"""Packed tiers of one linear: what each precision keeps resident, release and restore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached, matmul
+from vllm_adaptive.precision.tiers import LinearTiers
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(256, 128)
+
+
+@pytest.mark.parametrize("layout", ["independent", "matryoshka"])
+def test_release_and_restore_round_trip(weight: torch.Tensor, layout: str) -> None:
+    tiers = LinearTiers.build(weight, {"int8", "int4", "int2", "full"}, layout, 32, True)
+    tiers.prepare(torch.bfloat16)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    before = {p: matmul(x, tiers.tiers[p]) for p in ("int8", "int4", "int2")}
+    held = tiers.resident_bytes("int4")
+    tiers.release("int4")
+    assert tiers.resident_bytes("int4") < held
+    tiers.restore("int4", torch.device("cpu"), torch.bfloat16)
+    assert tiers.resident_bytes("int4") == held
+    for p, y in before.items():
+        assert torch.equal(matmul(x, tiers.tiers[p]), y)
+
+
+def test_matryoshka_tiers_share_the_int8_storage(weight: torch.Tensor) -> None:
+    m = LinearTiers.build(weight, {"int8", "int4", "int2"}, "matryoshka", 32, True)
+    assert m.shared_bytes() >= weight.numel()  # int8 codes (+ scales)
+    # the int8 tier is the shared storage itself: nothing of its own before kernels prepare
+    assert m.resident_bytes("int8") == 0
+    ind = LinearTiers.build(weight, {"int8"}, "independent", 32, True)
+    assert ind.shared_bytes() == 0 and ind.resident_bytes("int8") >= weight.numel()
+
+
+def test_bound_kernel_matches_checked_matmul(weight: torch.Tensor) -> None:
+    tiers = LinearTiers.build(weight, {"int8", "int4"}, "independent", 32, False)
+    tiers.prepare(torch.bfloat16)
+    for tokens in (1, 16, 64):
+        x = torch.randn(tokens, 128, dtype=torch.bfloat16)
+        for p in ("int8", "int4"):
+            packed = tiers.tiers[p]
+            path = choose_path_cached(packed, tokens, x.dtype)
+            assert torch.equal(bound_kernel(packed, path, x.dtype)(x), matmul(x, packed, path=path))
