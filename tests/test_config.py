@@ -24,15 +24,18 @@ from vllm_adaptive.request_overrides import AdaptiveRequestValidator, parse_requ
 
 def test_empty_config_means_everything_off() -> None:
     cfg = parse_adaptive_config({})
-    assert cfg == AdaptiveConfig(mode="off")
+    assert cfg == AdaptiveConfig() and cfg.precision is None
     assert not cfg.any_mechanism_enabled
+    # mode "off" is a kill switch: configured mechanisms stay disabled
+    off = parse_adaptive_config({"mode": "off", "precision": {"policy": "gearbx"}})
+    assert not off.any_mechanism_enabled and off.active_precision is None
 
 
 @pytest.mark.parametrize(
     ("value", "needle"),
     [
         ({"bogus": 1}, "adaptive.bogus: unknown key"),
-        ({"mode": "fast"}, "adaptive.mode: Input should be 'off'"),
+        ({"mode": "fast"}, "adaptive.mode: Input should be 'on' or 'off'"),
         ({"mode": 3}, "adaptive.mode"),
         ([1, 2], "adaptive: expected a JSON object"),
         ("{not json", "adaptive: not valid JSON"),
@@ -123,7 +126,7 @@ def test_bad_config_fails_engine_start(model_dir: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "adaptive.bogus: unknown key" in out
-    assert "adaptive.mode: Input should be 'off'" in out
+    assert "adaptive.mode: Input should be 'on' or 'off'" in out
 
 
 def test_unsupported_architecture_refused() -> None:
