@@ -48,3 +48,33 @@ def test_bound_kernel_matches_checked_matmul(weight: torch.Tensor) -> None:
             packed = tiers.tiers[p]
             path = choose_path_cached(packed, tokens, x.dtype)
             assert torch.equal(bound_kernel(packed, path, x.dtype)(x), matmul(x, packed, path=path))
+
+
+def test_controller_offloads_tiers_the_step_does_not_use(weight: torch.Tensor) -> None:
+    """offload_inactive: tiers no current (or pre-warmed) level maps to are released, and a
+    released tier comes back, unchanged, when a step needs it."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive.config import parse_adaptive_config
+    from vllm_adaptive.precision.controller import PrecisionController
+    from vllm_adaptive.precision.linear import GearedLinear
+    from vllm_adaptive.precision.policies import build_policy
+
+    cfg = parse_adaptive_config(
+        {"precision": {"policy": "gearbx", "offload_inactive": True}}
+    ).precision
+    controller = PrecisionController(cfg, build_policy(cfg, 32768), [], tokenizer_path=None)
+    tiers = LinearTiers.build(weight, {"int4", "int8", "full"}, "independent", 32, True)
+    tiers.prepare(torch.bfloat16)
+    layer = SimpleNamespace(weight=weight, bias=None)
+    geared = GearedLinear(layer, "l0", (*cfg.level_gears, "full"), tiers, None, controller)
+    controller.geared = [geared]
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    y_int4 = geared.run(x, "int4")
+    held = tiers.resident_bytes("int4")
+
+    controller.offload_inactive({2})  # only high (full) in use: both packed tiers go
+    assert tiers.released == {"int4", "int8"}
+    assert tiers.resident_bytes("int4") < held
+    assert torch.equal(geared.run(x, "int4"), y_int4)  # restored on use
+    assert "int4" not in tiers.released and tiers.resident_bytes("int4") == held

@@ -182,6 +182,24 @@ class PrecisionController:
                 token_codes = torch.cat([token_codes, pad])
         last = positions[torch.from_numpy(qsl[1:] - 1).to(positions.device)].cpu().numpy()
         self.plan = StepPlan(num_reqs, codes, token_codes, last, qsl)
+        if self.config.offload_inactive:
+            self.offload_inactive(set(codes.tolist()) | self._prewarm_codes())
+
+    def _prewarm_codes(self) -> set[int]:
+        """Levels the policies expect next (GEARBX section 3.5): kept resident."""
+        return {s.state.prewarm for s in self.slots.values() if s.state.prewarm is not None}
+
+    def offload_inactive(self, codes: set[int]) -> None:
+        """Release every tier no code in ``codes`` maps to; ``GearedLinear.run`` restores a
+        released tier when a later step needs it."""
+        if codes == getattr(self, "_resident_codes", None):
+            return
+        self._resident_codes = set(codes)
+        for g in getattr(self, "geared", []):
+            keep = {g.level_precisions[c] for c in codes}
+            for precision in g.tiers.tiers:
+                if precision not in keep and precision not in g.tiers.released:
+                    g.tiers.release(precision)
 
     def groups(self, level_precisions: tuple[str, ...], num_tokens: int):
         """``[(precision, token index or None)]`` for a layer whose codes map to precisions."""
