@@ -53,7 +53,7 @@ def test_plugin_off_loads_stock_class(plugin_off_llm) -> None:
 def test_adaptive_section_selects_adaptive_class(adaptive_llm) -> None:
     (info,) = adaptive_llm.apply_model(describe_model)
     assert info["class"] == "vllm_adaptive.models.llama.AdaptiveLlamaForCausalLM"
-    assert info["adaptive_config"] == {"mode": "off"}
+    assert info["adaptive_config"] == {"mode": "on", "precision": None}
 
 
 def test_plugin_off_identical_to_stock(plugin_off_llm, stock_reference: dict) -> None:
