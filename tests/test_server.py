@@ -7,6 +7,7 @@ not, and per-request adaptive overrides carried in `vllm_xargs`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,12 +73,11 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def server_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def serving(model_dir: Path, adaptive: dict, log: Path) -> Iterator[str]:
+    """A real `vllm serve` (the venv's console script, as a user runs it) until the block ends."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
-    # The real `vllm serve` console script of the venv, as a user runs it.
     cmd = [
         str(Path(sys.executable).parent / "vllm"),
         "serve",
@@ -89,7 +89,7 @@ def server_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "--port",
         str(port),
         "--additional-config",
-        json.dumps({"adaptive": {}}),
+        json.dumps({"adaptive": adaptive}),
         "--enforce-eager",
         "--max-model-len",
         "2048",
@@ -117,6 +117,13 @@ def server_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield url
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("server") / "vllm-serve.log"
+    with serving(model_dir, {}, log) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
