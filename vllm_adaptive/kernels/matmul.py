@@ -397,19 +397,25 @@ def _run(path: str, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     raise ValueError(f"unknown path {path!r}; paths are {ALL_PATHS}")
 
 
+def _check_input(x: torch.Tensor, shape: tuple[int, int], device: torch.device) -> tuple[int, int]:
+    """Errors naming the problem for activations that cannot meet a ``[N, K]`` weight."""
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor, got {x.dtype}")
+    n, k = shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects K={k}")
+    if x.device != device:
+        raise ValueError(f"x is on {x.device}, the weight on {device}")
+    return n, k
+
+
 def matmul(x: torch.Tensor, packed: PackedWeight, *, path: str | None = None) -> torch.Tensor:
     """``x @ W^T`` in x's dtype, ``x``: ``[..., K]``, result ``[..., N]``.
 
     ``path`` forces a path (benchmarks, tests); it must be one of
     :func:`applicable_paths` for this weight, dtype and device.
     """
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a float tensor, got {x.dtype}")
-    n, k = packed.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight expects K={k}")
-    if x.device != packed.device:
-        raise ValueError(f"x is on {x.device}, the weight on {packed.device}")
+    n, k = _check_input(x, packed.shape, packed.device)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -435,13 +441,7 @@ def matmul_planes(
     ``triton`` (CUDA with triton; reads only the tier's planes) or ``dequant``
     (``F.linear(x, planes.dequantize(bits, x.dtype))``, any device).
     """
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a float tensor, got {x.dtype}")
-    n, k = planes.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight expects K={k}")
-    if x.device != planes.device:
-        raise ValueError(f"x is on {x.device}, the weight on {planes.device}")
+    n, k = _check_input(x, planes.shape, planes.device)
     paths = [DEQUANT] if x.device.type == "cpu" else _off_cpu_paths(x.dtype, x.device)
     if path is None:
         path = paths[0]
