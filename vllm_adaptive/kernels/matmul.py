@@ -257,23 +257,26 @@ def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def _int8_scales(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
-    key = ("int8pack_scales", dtype)
+def _cached(packed: PackedWeight, key: tuple, build):
+    """``packed.prepared[key]``, built once by ``build()``."""
     got = packed.prepared.get(key)
     if got is None:
-        got = packed.scales[:, 0].to(dtype).contiguous()
-        packed.prepared[key] = got
+        got = packed.prepared[key] = build()
     return got
+
+
+def _int8_scales(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    return _cached(
+        packed, ("int8pack_scales", dtype), lambda: packed.scales[:, 0].to(dtype).contiguous()
+    )
 
 
 def _int4_weight(packed: PackedWeight) -> torch.Tensor:
-    key = ("int4pack_weight",)
-    got = packed.prepared.get(key)
-    if got is None:
+    def build() -> torch.Tensor:
         q = packed.codes().to(torch.int32) + 8  # (q - 8) is the signed code
-        got = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-        packed.prepared[key] = got
-    return got
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+
+    return _cached(packed, ("int4pack_weight",), build)
 
 
 def _int4_scale_zeros(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -90,7 +90,7 @@ class PrecisionController:
     ) -> None:
         self.config = precision_config
         self.policy = policy
-        self.routing = precision_config.routing
+        self.routing = precision_config.effective_routing
         self.layer_maps = layer_maps
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None

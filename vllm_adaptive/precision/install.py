@@ -52,7 +52,6 @@ def install_precision(model, cfg, tokenizer_path: str | None) -> PrecisionContro
     linears = managed_linears(model, cfg.modules)
     maps: list[tuple[str, ...]] = []
     controller = PrecisionController(cfg, policy, maps, tokenizer_path)
-    controller.routing = cfg.effective_routing
     layout = cfg.effective_tiers
     t0 = time.perf_counter()
     first = linears[0][2].weight
