@@ -122,7 +122,6 @@ def test_gears_shift_mid_request_and_output_stays_sane(gear_llm) -> None:
         ppl_g = math.exp(-sum(geared.logprobs) / len(geared.logprobs))
         ppl_f = math.exp(-sum(full.logprobs) / len(full.logprobs))
         assert ppl_g < 2.0 * ppl_f + 0.5, (i, ppl_g, ppl_f)
-        assert _telemetry(gear_llm)[f"tfg{i}"]["shifts"] >= 0
     assert shifted >= 1, "no request shifted gears; the thresholds no longer fit this model"
 
 
