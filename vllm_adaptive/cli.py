@@ -40,6 +40,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from vllm_adaptive.depth.calibrate import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-adaptive", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure adaptive configs against stock vLLM")
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    from vllm_adaptive.depth.args import add_calibrate_arguments
+
+    calib = sub.add_parser("calibrate", help="offline EMAD adaptive-depth calibration profile")
+    add_calibrate_arguments(calib)
+    calib.set_defaults(func=_cmd_calibrate)
     return parser
 
 

@@ -1,0 +1,135 @@
+"""Exit simulator on collected data and the binary search of q that meets a compute budget.
+
+Follows EMAD sec. 2.2/2.5: each stream starts at full depth, depth is non-increasing along a
+stream (KV validity), a token exits at the first probe layer below its previous depth where
+proxy entropy <= tau_l - m_l, otherwise it keeps the previous depth. Optional floor schedule
+F_t (linear taper from L to `floor_min` over the first `floor_tokens` tokens), snapped up to
+a layer the model can read out at (a probe layer or L).
+FLOPs: `DenseShape` per-layer linear + attention at the token's context, LM head always,
+plus the proxy cost at every probe evaluated. Fractions are relative to full depth, no probes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_adaptive.flops import DenseShape
+
+
+@dataclass
+class SimData:
+    """Per-stream arrays; S streams of K tokens, P probe layers (sorted ascending)."""
+
+    probe_layers: list[int]
+    num_layers: int
+    proxy: np.ndarray  # [P, S, K] proxy entropy at each probe layer
+    agree: np.ndarray  # [P, S, K] bool: calibrated argmax at layer == final argmax
+    context: np.ndarray  # [S, K] context length of each token
+
+
+@dataclass
+class SimResult:
+    mean_layers: float
+    layers_fraction: float
+    flops_fraction: float
+    agreement: float  # greedy token at the exit layer == full model's greedy token
+    depth_hist: dict[int, float]
+
+
+def _floor(t: int, num_layers: int, floor_tokens: int, floor_min: int | None) -> int:
+    if floor_min is None or floor_tokens <= 0:
+        return 0
+    frac = min(1.0, t / floor_tokens)
+    return int(np.ceil(num_layers - frac * (num_layers - floor_min)))
+
+
+def simulate(
+    data: SimData,
+    thresholds: np.ndarray,
+    shape: DenseShape,
+    proxy_flops: float,
+    floor_tokens: int = 0,
+    floor_min: int | None = None,
+) -> SimResult:
+    probes = data.probe_layers
+    L = data.num_layers
+    depth_of = np.array(probes + [L])
+    P, S, K = data.proxy.shape
+    d_prev = np.full(S, P)  # index into depth_of; P means full depth L
+    depth = np.empty((S, K), dtype=np.int64)
+    n_probes = np.zeros((S, K))
+    agree = np.empty((S, K), dtype=bool)
+    passes = data.proxy <= thresholds[:, None, None]  # [P, S, K]
+    for t in range(K):
+        cur = d_prev.copy()
+        done = np.zeros(S, dtype=bool)
+        for p in range(P):
+            live = ~done & (p < d_prev)
+            n_probes[:, t] += live
+            hit = live & passes[p, :, t]
+            cur[hit] = p
+            done |= hit
+        floor_layer = _floor(t, L, floor_tokens, floor_min)
+        if floor_layer:
+            floor_idx = int(np.searchsorted(depth_of, floor_layer))
+            cur = np.maximum(cur, floor_idx)
+        depth[:, t] = depth_of[cur]
+        full = cur == P
+        idx = np.minimum(cur, P - 1)
+        agree[:, t] = np.where(full, True, data.agree[idx, np.arange(S), t])
+        d_prev = cur
+    per_layer = shape.layer_linear_flops() + shape.layer_attention_flops(1.0) * data.context
+    spent = depth * per_layer + n_probes * proxy_flops + shape.lm_head_flops()
+    full_cost = L * per_layer + shape.lm_head_flops()
+    values, counts = np.unique(depth, return_counts=True)
+    return SimResult(
+        mean_layers=float(depth.mean()),
+        layers_fraction=float(depth.mean() / L),
+        flops_fraction=float(spent.sum() / full_cost.sum()),
+        agreement=float(agree.mean()),
+        depth_hist={int(v): float(c / depth.size) for v, c in zip(values, counts, strict=True)},
+    )
+
+
+@dataclass
+class BudgetSearch:
+    q: float
+    met: bool
+    result: SimResult
+
+
+def search_q(
+    cost_at: Callable[[float], SimResult],
+    budget: float,
+    kind: str = "layers",
+    iters: int = 30,
+) -> BudgetSearch:
+    """Smallest q (most conservative targets) whose simulated cost fraction <= budget.
+
+    Cost is non-increasing in q (tau grows with q; the monotone schedule propagates it), so
+    bisection applies. If even q=1 exceeds the budget, returns q=1 with met=False.
+    """
+    if kind not in ("layers", "flops"):
+        raise ValueError(f"budget kind must be 'layers' or 'flops', not {kind!r}")
+
+    def cost(r: SimResult) -> float:
+        return r.layers_fraction if kind == "layers" else r.flops_fraction
+
+    lo_res = cost_at(0.0)
+    if cost(lo_res) <= budget:
+        return BudgetSearch(q=0.0, met=True, result=lo_res)
+    hi_res = cost_at(1.0)
+    if cost(hi_res) > budget:
+        return BudgetSearch(q=1.0, met=False, result=hi_res)
+    lo, hi = 0.0, 1.0
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        r = cost_at(mid)
+        if cost(r) <= budget:
+            hi, hi_res = mid, r
+        else:
+            lo = mid
+    return BudgetSearch(q=hi, met=True, result=hi_res)

@@ -1,0 +1,276 @@
+"""End-to-end offline EMAD calibration: collect -> norms -> proxies -> targets -> budget -> profile.
+
+Streams (windows) alternate between a fit half (norms, feature maps, targets, margins: the
+paper's calibration set C) and a validation half (reported agreement, proxy errors, and the
+budget simulation: the paper's "validation slice").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_adaptive.depth.budget import SimData, SimResult, search_q, simulate
+from vllm_adaptive.depth.collect import CollectConfig, collect, load_model
+from vllm_adaptive.depth.isotonic import IsotonicMap
+from vllm_adaptive.depth.norms import AffineNorm, fit_layer_norms
+from vllm_adaptive.depth.profile import Profile, save_profile
+from vllm_adaptive.depth.proxies import ErrorStats, LowRankReadout, proxy_entropies
+from vllm_adaptive.depth.readout import chunks, entropy_nats
+from vllm_adaptive.depth.targets import entropy_targets, margins
+from vllm_adaptive.flops import DenseShape
+
+
+@dataclass
+class CalibrationOptions:
+    budget: float = 0.6
+    budget_kind: str = "layers"
+    rank: int = 32
+    alpha: float = 1.5
+    ridge: float = 1.0
+    scalar_norm: bool = False
+    norm_metric: str = "hidden"
+    norm_bias: bool = True
+    proxy: str = "lowrank"  # which proxy the exit rule uses: lowrank | feature
+    topk: int = 32
+    population: str = "all"  # tokens the quantile runs over: all (paper) | agree
+    floor_tokens: int = 0
+    floor_min: int | None = None
+    collect: CollectConfig = field(default_factory=CollectConfig)
+
+
+def _layer_pass(hidden, readout, norm, lowrank, temperature, topk, final_argmax):
+    """One probe layer: plain-lens and calibrated agreement, calibrated H, proxy values."""
+    N = hidden.shape[0]
+    out = {k: torch.empty(N) for k in ("exact", "lowrank", "score")}
+    out["agree_before"] = torch.empty(N, dtype=torch.bool)
+    out["agree_after"] = torch.empty(N, dtype=torch.bool)
+    for sl in chunks(N, 512):
+        x = readout.rms(hidden[sl])
+        before = readout.logits(x * readout.norm_weight).argmax(-1)
+        n = norm(x)
+        z = readout.logits(n)
+        out["agree_before"][sl] = before == final_argmax[sl]
+        out["agree_after"][sl] = z.argmax(-1) == final_argmax[sl]
+        out["exact"][sl] = entropy_nats(z, temperature)
+        out["lowrank"][sl], out["score"][sl] = proxy_entropies(lowrank, n, temperature, topk)
+    return out
+
+
+def _calibrated_layers(hidden, readout, norms, lowrank, temperature, topk, final_argmax, fit):
+    """All probe layers; a layer whose fitted norm agrees less often with the final layer on
+    the fit tokens than the plain logit lens falls back to the plain lens (a = g, b = 0)."""
+    rows, fallback = [], []
+    for p, norm in enumerate(norms):
+        r = _layer_pass(hidden[p], readout, norm, lowrank, temperature, topk, final_argmax)
+        if r["agree_after"][fit].float().mean() < r["agree_before"][fit].float().mean():
+            norms[p] = AffineNorm(a=readout.norm_weight.clone(), b=torch.zeros(readout.hidden))
+            r = _layer_pass(hidden[p], readout, norms[p], lowrank, temperature, topk, final_argmax)
+            fallback.append(p)
+        rows.append(r)
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}, fallback
+
+
+def calibrate(
+    model_dir: str | Path,
+    corpora: list[str | Path],
+    out_dir: str | Path,
+    opts: CalibrationOptions,
+    progress: bool = True,
+) -> dict[str, Any]:
+    from vllm_adaptive.bench.corpus import read_corpus
+
+    t0 = time.perf_counter()
+    files = [read_corpus(c) for c in corpora]
+    model, tok, readout = load_model(model_dir)
+    shape = DenseShape.from_hf_config(model.config)
+    ccfg = opts.collect
+    col = collect(model, tok, [f.calibration_text for f in files], ccfg, progress=progress)
+    del model
+    if col.num_streams < 2:
+        raise ValueError("need at least 2 windows (fit and validation halves); raise --tokens")
+    S, K = col.num_streams, col.stream_len
+    stream = torch.arange(S).repeat_interleave(K)
+    fit_idx = torch.nonzero(stream % 2 == 0).squeeze(1)
+    val_idx = torch.nonzero(stream % 2 == 1).squeeze(1)
+
+    norms = fit_layer_norms(
+        col.hidden, col.final_normed, readout, fit_idx, opts.ridge, opts.scalar_norm,
+        opts.norm_metric, opts.norm_bias,
+    )  # fmt: skip
+    lowrank = LowRankReadout.fit(readout.unembed, opts.rank)
+    lp, fallback = _calibrated_layers(
+        col.hidden, readout, norms, lowrank, ccfg.temperature, opts.topk, col.final_argmax,
+        fit_idx,
+    )  # fmt: skip
+    exact = lp["exact"].numpy()
+    fi, vi = fit_idx.numpy(), val_idx.numpy()
+    P = len(col.probe_layers)
+    feature_maps = [IsotonicMap.fit(lp["score"][p, fi].numpy(), exact[p, fi]) for p in range(P)]
+    feature = np.stack([feature_maps[p](lp["score"][p].numpy()) for p in range(P)])
+    lowrank_h = lp["lowrank"].numpy()
+    proxy_vals = lowrank_h if opts.proxy == "lowrank" else feature
+    if opts.proxy not in ("lowrank", "feature"):
+        raise ValueError(f"proxy must be 'lowrank' or 'feature', not {opts.proxy!r}")
+
+    errs_fit = [proxy_vals[p, fi] - exact[p, fi] for p in range(P)]
+    marg = margins(errs_fit, opts.alpha)
+    agree_after = lp["agree_after"].numpy()
+    if opts.population == "all":
+        pops = [exact[p, fi] for p in range(P)]
+    elif opts.population == "agree":
+        pops = [exact[p, fi][agree_after[p, fi]] for p in range(P)]
+    else:
+        raise ValueError(f"population must be 'all' or 'agree', not {opts.population!r}")
+
+    val_streams = np.arange(1, S, 2)
+    sim = SimData(
+        probe_layers=col.probe_layers,
+        num_layers=col.num_layers,
+        proxy=proxy_vals.reshape(P, S, K)[:, val_streams],
+        agree=agree_after.reshape(P, S, K)[:, val_streams],
+        context=col.context.numpy().reshape(S, K)[val_streams],
+    )
+    pflops = lowrank.flops()
+
+    def run(q: float) -> SimResult:
+        return simulate(
+            sim, entropy_targets(pops, q) - marg, shape, pflops, opts.floor_tokens, opts.floor_min
+        )
+
+    found = search_q(run, opts.budget, opts.budget_kind)
+    tau = entropy_targets(pops, found.q)
+    thresholds = tau - marg
+    sweep = {f"{q:.2f}": asdict(run(q)) for q in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)}
+    other_budgets = {
+        f"{kind}:{b}": {"q": r.q, "met": r.met, **asdict(r.result)}
+        for kind in ("layers", "flops")
+        for b in (0.9, 0.8, 0.7, 0.6, 0.5)
+        for r in [search_q(run, b, kind, iters=20)]
+    }
+
+    def stats(vals: np.ndarray) -> list[dict[str, float]]:
+        return [asdict(ErrorStats.of(vals[p, vi] - exact[p, vi])) for p in range(P)]
+
+    before = lp["agree_before"].numpy()
+    summary: dict[str, Any] = {
+        "model_dir": str(model_dir),
+        "corpora": [{"path": str(f.path), "sha256": f.sha256} for f in files],
+        "probe_layers": col.probe_layers,
+        "num_layers": col.num_layers,
+        "entropy_unit": "nats",
+        "temperature": ccfg.temperature,
+        "window": ccfg.window,
+        "windows": S,
+        "kept_positions_per_window": K,
+        "rank": opts.rank,
+        "topk": opts.topk,
+        "proxy": opts.proxy,
+        "norm": {
+            "scalar": opts.scalar_norm,
+            "metric": opts.norm_metric,
+            "ridge": opts.ridge,
+            "bias": opts.norm_bias,
+            "plain_lens_fallback_layers": [col.probe_layers[p] for p in fallback],
+        },
+        "population": opts.population,
+        "alpha": opts.alpha,
+        "budget": opts.budget,
+        "budget_kind": opts.budget_kind,
+        "budget_met": found.met,
+        "q": found.q,
+        "floor": {"tokens": opts.floor_tokens, "min": opts.floor_min},
+        "tau": tau.tolist(),
+        "margins": marg.tolist(),
+        "thresholds": thresholds.tolist(),
+        "agreement_before": before[:, vi].mean(1).tolist(),
+        "agreement_after": agree_after[:, vi].mean(1).tolist(),
+        "proxy_error_lowrank": stats(lowrank_h),
+        "proxy_error_feature": stats(feature),
+        "proxy_flops": pflops,
+        "proxy_flops_over_block": pflops / shape.layer_linear_flops(),
+        "simulation": asdict(found.result),
+        "q_sweep": sweep,
+        "q_for_budgets": other_budgets,
+        "seconds": 0.0,
+    }
+    tensors = {
+        "norm_a": torch.stack([n.a for n in norms]),
+        "norm_b": torch.stack([n.b for n in norms]),
+        "lowrank_u": lowrank.u.contiguous(),
+        "lowrank_v": lowrank.v.contiguous(),
+        "tau": torch.from_numpy(tau).float(),
+        "margin": torch.from_numpy(marg).float(),
+        "threshold": torch.from_numpy(thresholds).float(),
+    }
+    for p, m in enumerate(feature_maps):
+        tensors[f"feature_knots_x.{p}"] = torch.from_numpy(m.x.copy())
+        tensors[f"feature_knots_y.{p}"] = torch.from_numpy(m.y.copy())
+    summary["seconds"] = time.perf_counter() - t0
+    save_profile(Profile(meta=summary, tensors=tensors), out_dir, model_dir)
+    return summary
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    opts = CalibrationOptions(
+        budget=args.budget,
+        budget_kind=args.budget_kind,
+        rank=args.rank,
+        alpha=args.alpha,
+        ridge=args.ridge,
+        scalar_norm=args.scalar_norm,
+        norm_metric=args.norm_metric,
+        norm_bias=not args.no_norm_bias,
+        proxy=args.proxy,
+        population=args.population,
+        floor_tokens=args.floor_tokens,
+        floor_min=args.floor_min,
+        collect=CollectConfig(
+            window=args.window,
+            tokens=args.tokens,
+            keep=args.keep,
+            probe_every=args.probe_every,
+            temperature=args.temperature,
+        ),
+    )
+    s = calibrate(args.model, args.corpus, args.out, opts, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        print(format_summary(s))
+    print(Path(args.out))
+    return 0
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"EMAD calibration: {s['windows']} windows x {s['window']} tokens "
+        f"({s['kept_positions_per_window']} kept each), entropy in nats, T={s['temperature']}",
+        "layer  agree_before  agree_after  tau     margin  thresh  lowrank_MAE  feature_MAE",
+    ]
+    for i, layer in enumerate(s["probe_layers"]):
+        lr, ft = s["proxy_error_lowrank"][i]["mae"], s["proxy_error_feature"][i]["mae"]
+        lines.append(
+            f"{layer:5d}  {s['agreement_before'][i]:12.3f}  {s['agreement_after'][i]:11.3f}  "
+            f"{s['tau'][i]:6.3f}  {s['margins'][i]:6.3f}  {s['thresholds'][i]:6.3f}  "
+            f"{lr:11.3f}  {ft:11.3f}"
+        )
+    r = s["simulation"]
+    met = "met" if s["budget_met"] else "NOT met (even q=1)"
+    lines += [
+        f"proxy={s['proxy']} rank={s['rank']} (probe cost {s['proxy_flops_over_block']:.2f} "
+        f"of one block's linear FLOPs), alpha={s['alpha']}",
+        f"budget {s['budget']} ({s['budget_kind']}) {met}: q={s['q']:.4f}",
+        f"simulated: mean layers {r['mean_layers']:.2f}/{s['num_layers']} "
+        f"(fraction {r['layers_fraction']:.3f}), FLOPs fraction {r['flops_fraction']:.3f}, "
+        f"greedy agreement with final layer {r['agreement']:.3f}",
+        f"took {s['seconds']:.1f} s",
+    ]
+    return "\n".join(lines)
