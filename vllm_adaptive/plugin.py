@@ -1,13 +1,19 @@
 """vLLM general-plugin entry point (`vllm.general_plugins`).
 
 vLLM calls `register()` in every process it starts, possibly more than once
-per process, so registration is idempotent.
+per process, so registration is idempotent. In the frontend it runs before the
+engine and worker processes are spawned, so the telemetry exchange directory
+it ensures (`$VLLM_ADAPTIVE_STATS_DIR`) is inherited by all of them.
 """
 
 from __future__ import annotations
 
 
 def register() -> None:
+    from vllm_adaptive.telemetry_exchange import ensure_stats_dir
+
+    ensure_stats_dir()
+
     from vllm import ModelRegistry
 
     from vllm_adaptive.models import ADAPTIVE_ARCHITECTURES

@@ -1,0 +1,203 @@
+"""File-based telemetry exchange between vLLM's worker processes and its frontend.
+
+The adaptive runtimes run inside vLLM's worker process; the Prometheus
+exporter (:mod:`vllm_adaptive.metrics`) and the HTTP route
+(:mod:`vllm_adaptive.routes`) run in the frontend (API server). They meet in
+one directory, JSON only (no pickle: nothing read here can execute code):
+
+``engine-<pid>.json``
+    One file per engine process: a JSON object of cumulative totals since that
+    process started (any JSON-able dict; the depth runtime writes e.g.
+    ``{"mechanism": "depth", "num_layers": 30, "decode_tokens": ...,
+    "layers_executed": ..., "exit_tokens": {"12": ..., "30": ...}, ...}``).
+    Rewritten whole and atomically (temporary file + ``os.replace``), so a
+    reader sees the old or the new file, never half of one. Write from one
+    rank per engine (e.g. tensor-parallel rank 0): readers sum all files.
+
+``requests.jsonl``
+    One JSON line per finished request, with a ``"tag"`` key (the request's
+    ``adaptive_request_tag`` or a name the runtime chose). Appends and
+    rotation are serialised by ``flock`` on ``requests.jsonl.lock``. When the
+    file exceeds :data:`REQUESTS_MAX_BYTES` (20 MiB) the next append first
+    renames it to ``requests.jsonl.1`` (replacing the previous one), so at most
+    about 40 MiB are kept and the oldest records are dropped.
+
+The directory is ``$VLLM_ADAPTIVE_STATS_DIR``. When that is unset,
+:func:`ensure_stats_dir` (called by the plugin's ``register()``, which vLLM
+runs in the frontend before it spawns the engine and worker processes) creates
+a fresh ``vllm-adaptive-*`` temporary directory and exports it in
+``os.environ``, so every process spawned afterwards inherits the same one. A
+directory created that way is removed when the creating process exits; set
+``VLLM_ADAPTIVE_STATS_DIR`` yourself to keep the files.
+
+vLLM 0.32 warns once at start about the unknown ``VLLM_*`` variable (and
+``--fail-on-environ-validation`` refuses it). Adding the name to
+``vllm.envs.environment_variables`` would silence that, but vLLM hashes every
+known variable into its torch.compile cache key, so a per-run path there would
+defeat the compile cache; the name is left unregistered.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: Environment variable naming the exchange directory (inherited by spawned processes).
+STATS_DIR_ENV = "VLLM_ADAPTIVE_STATS_DIR"
+#: Rotation threshold of ``requests.jsonl`` in bytes (read at every append).
+REQUESTS_MAX_BYTES = 20 * 1024 * 1024
+
+ENGINE_PREFIX = "engine-"
+REQUESTS_FILE = "requests.jsonl"
+REQUESTS_OLD_FILE = REQUESTS_FILE + ".1"
+REQUESTS_LOCK_FILE = REQUESTS_FILE + ".lock"
+
+_lock = threading.Lock()
+
+
+def ensure_stats_dir() -> Path:
+    """The exchange directory; create it (and export it) if ``$VLLM_ADAPTIVE_STATS_DIR`` is unset.
+
+    Safe to call any number of times, in any process: it only creates a
+    directory when the variable is unset, so processes that inherited it share it.
+    """
+    with _lock:
+        value = os.environ.get(STATS_DIR_ENV)
+        if value:
+            path = Path(value)
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        path = Path(tempfile.mkdtemp(prefix="vllm-adaptive-"))
+        os.environ[STATS_DIR_ENV] = str(path)
+        atexit.register(_remove_own_dir, path, os.getpid())
+        return path
+
+
+def stats_dir() -> Path:
+    """The exchange directory (see :func:`ensure_stats_dir`)."""
+    return ensure_stats_dir()
+
+
+def _remove_own_dir(path: Path, creator_pid: int) -> None:
+    # A forked child inherits atexit handlers; only the creating process cleans up.
+    if os.getpid() == creator_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _dir(directory: str | os.PathLike | None) -> Path:
+    if directory is None:
+        return stats_dir()
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# -- engine stats (one file per engine process, rewritten atomically) -------------------------
+
+
+def write_engine_stats(stats: dict[str, Any], directory: str | os.PathLike | None = None) -> None:
+    """Atomically replace this process's ``engine-<pid>.json`` with ``stats``.
+
+    ``stats`` must be JSON-able (strict JSON: NaN and infinity raise ValueError).
+    """
+    path = _dir(directory)
+    pid = os.getpid()
+    data = json.dumps(stats, allow_nan=False, separators=(",", ":"))
+    # Hidden and not matching engine-*.json, unique per thread: readers never see it.
+    tmp = path / f".{ENGINE_PREFIX}{pid}.{threading.get_ident()}.tmp"
+    try:
+        tmp.write_text(data)
+        os.replace(tmp, path / f"{ENGINE_PREFIX}{pid}.json")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def read_engine_stats(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Every readable ``engine-*.json`` object, in file-name order; bad files are skipped."""
+    out = []
+    for file in sorted(_dir(directory).glob(f"{ENGINE_PREFIX}*.json")):
+        try:
+            value = json.loads(file.read_text())
+        except (OSError, ValueError):  # vanished, unreadable, partial or not JSON
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+# -- per-request records (one JSON line each, bounded by rotation) ----------------------------
+
+
+@contextlib.contextmanager
+def _requests_lock(path: Path, exclusive: bool) -> Iterator[None]:
+    fd = os.open(path / REQUESTS_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def append_request_record(
+    record: dict[str, Any], directory: str | os.PathLike | None = None
+) -> None:
+    """Append one record (a JSON object with a non-empty string ``"tag"``) to ``requests.jsonl``.
+
+    If the file already exceeds :data:`REQUESTS_MAX_BYTES`, it first becomes
+    ``requests.jsonl.1`` (the previous ``.1`` is dropped).
+    """
+    tag = record.get("tag")
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"a request record needs a non-empty string 'tag' (got {tag!r})")
+    line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()
+    path = _dir(directory)
+    current = path / REQUESTS_FILE
+    with _requests_lock(path, exclusive=True):
+        try:
+            size = current.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size > REQUESTS_MAX_BYTES:
+            os.replace(current, path / REQUESTS_OLD_FILE)
+        fd = os.open(current, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+def read_request_records(
+    tag: str, directory: str | os.PathLike | None = None
+) -> list[dict[str, Any]]:
+    """All kept records with this tag, oldest first (newest last); bad lines are skipped."""
+    path = _dir(directory)
+    # Records are written with json.dumps defaults, so the tag appears as exactly this string.
+    needle = json.dumps(tag).encode()
+    out = []
+    with _requests_lock(path, exclusive=False):
+        for name in (REQUESTS_OLD_FILE, REQUESTS_FILE):
+            try:
+                lines = (path / name).read_bytes().splitlines()
+            except FileNotFoundError:
+                continue
+            for raw in lines:
+                if needle not in raw:  # cheap pre-filter before parsing
+                    continue
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(value, dict) and value.get("tag") == tag:
+                    out.append(value)
+    return out
