@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import openai
@@ -74,8 +74,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, adaptive: dict, log: Path) -> Iterator[str]:
-    """A real `vllm serve` (the venv's console script, as a user runs it) until the block ends."""
+def serving(
+    model_dir: Path, adaptive: dict, log: Path, env: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """A real `vllm serve` (the venv's console script, as a user runs it) until the block ends.
+
+    `env` adds to (or overrides) this process's environment for the server.
+    """
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -96,10 +101,10 @@ def serving(model_dir: Path, adaptive: dict, log: Path) -> Iterator[str]:
         "--dtype",
         "bfloat16",
     ]
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    server_env = {**os.environ, **(env or {})}
+    server_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not _healthy(url):
