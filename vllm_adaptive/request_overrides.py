@@ -39,6 +39,8 @@ class RequestOverrides(BaseModel):
     """"off": run this request with every adaptive mechanism disabled (full precision)."""
     gear: Literal["low", "mid", "high"] | None = None
     """Pin this request's precision gear level (engines with ``adaptive.precision``)."""
+    depth_budget: float | None = Field(None, gt=0.0, le=1.0)
+    """This request's adaptive-depth budget (engines with ``adaptive.depth``); 1.0: no exits."""
     request_tag: str | None = Field(None, min_length=1, max_length=200)
     """Name under which the request's telemetry (gear counts, traces) is recorded."""
 
@@ -92,12 +94,14 @@ class AdaptiveRequestValidator(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         overrides = parse_request_overrides(sampling_params.extra_args)
-        if overrides.mode == "off" and overrides.gear is not None:
-            raise VLLMValidationError(
-                "adaptive_mode='off' and adaptive_gear contradict each other; give one",
-                parameter="adaptive_gear",
-                value=overrides.gear,
-            )
+        for name in ("gear", "depth_budget"):
+            value = getattr(overrides, name)
+            if overrides.mode == "off" and value is not None:
+                raise VLLMValidationError(
+                    f"adaptive_mode='off' and adaptive_{name} contradict each other; give one",
+                    parameter=f"adaptive_{name}",
+                    value=value,
+                )
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         # Built in every engine's worker at start: the one place that sees the
@@ -110,21 +114,24 @@ class AdaptiveRequestValidator(LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         # The one hook vLLM calls before every forward with the persistent batch's changes:
-        # the precision controller mirrors them to keep per-request gear state per slot.
-        from vllm_adaptive.precision.controller import current
+        # controllers mirror them to keep per-request state per batch slot.
+        from vllm_adaptive.batch_mirror import listener, notify
 
-        controller = current()
-        if controller is not None:
-            controller.update_batch(batch_update)
-        elif batch_update:
+        notify(batch_update)
+        if not batch_update:
+            return
+        for key, section in (("adaptive_gear", "precision"), ("adaptive_depth_budget", "depth")):
+            if listener(section) is not None:
+                continue
             for _, params, _, _ in batch_update.added:
                 extra = (params.extra_args or {}) if params is not None else {}
-                if "adaptive_gear" in extra:
+                if key in extra:
                     # validate_params gets no engine config, so this cannot be a 400; say it.
                     logger.warning(
-                        "vllm-adaptive: adaptive_gear=%r ignored: this engine has no "
-                        "adaptive.precision section",
-                        extra["adaptive_gear"],
+                        "vllm-adaptive: %s=%r ignored: this engine has no adaptive.%s section",
+                        key,
+                        extra[key],
+                        section,
                     )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_adaptive.batch_mirror import SlotMirror, listener, register_listener
 from vllm_adaptive.precision.entropy import entropy_bits
 from vllm_adaptive.precision.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
@@ -94,7 +95,10 @@ class PrecisionController:
         self.layer_maps = layer_maps
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
-        self.slots: dict[int, Slot] = {}
+        self.mirror: SlotMirror[Slot] = SlotMirror(
+            lambda params, prompt_ids, _out: self._new_slot(params, prompt_ids), self._finish
+        )
+        self.slots = self.mirror.slots
         self.plan: StepPlan | None = None
         self.finished: list[dict[str, Any]] = []
         self.max_finished = 4096
@@ -131,9 +135,7 @@ class PrecisionController:
         state = self.policy.start(self._prompt_text(prompt_ids) if pinned is None else None)
         return Slot(tag=tag, state=state, prompt_len=len(prompt_ids or ()), pinned=pinned)
 
-    def _finish(self, slot: Slot | None) -> None:
-        if slot is None:
-            return
+    def _finish(self, slot: Slot) -> None:
         rec = slot.record(self.policy, self.layer_maps)
         self.finished.append(rec)
         del self.finished[: -self.max_finished]
@@ -142,22 +144,8 @@ class PrecisionController:
                 f.write(json.dumps(rec) + "\n")
 
     def update_batch(self, batch_update) -> None:
-        if not batch_update:
-            return
         with self._lock:
-            for index in batch_update.removed:
-                self._finish(self.slots.pop(index, None))
-            for index, params, prompt_ids, _out in batch_update.added:
-                self._finish(self.slots.pop(index, None))
-                self.slots[index] = self._new_slot(params, prompt_ids)
-            for a, b, direction in batch_update.moved:
-                sa, sb = self.slots.pop(a, None), self.slots.pop(b, None)
-                if sa is not None:
-                    self.slots[b] = sa
-                if sb is not None and direction.name == "SWAP":
-                    self.slots[a] = sb
-                elif sb is not None:
-                    self._finish(sb)
+            self.mirror.apply(batch_update)
 
     # -- 2. the step plan ----------------------------------------------------------------------
     def begin_step(self, positions: torch.Tensor) -> None:
@@ -311,16 +299,13 @@ def _query_start_loc() -> np.ndarray | None:
     return qsl.cpu().numpy()[:n].astype(np.int64)
 
 
-_CONTROLLERS: list[PrecisionController] = []
-
-
 def register(controller: PrecisionController) -> None:
     """Make the controller findable by the logits processor in this worker process."""
-    _CONTROLLERS.append(controller)
+    register_listener("precision", controller)
 
 
 def current() -> PrecisionController | None:
-    return _CONTROLLERS[-1] if _CONTROLLERS else None
+    return listener("precision")  # type: ignore[return-value]
 
 
 def resident_bytes(geared) -> dict[str, int]:

@@ -1,0 +1,81 @@
+"""Per-request state kept in step with vLLM's persistent batch.
+
+vLLM lays a step's tokens out in persistent-batch order, and the one hook it calls before
+every forward with the batch's changes is a logits processor's ``update_state``. Controllers
+that keep per-request state (precision gears, depth budgets) register here; the request
+validator forwards each ``BatchUpdate`` to them, and ``SlotMirror`` applies it so that slot
+``i`` is always the request whose tokens come ``i``-th in the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+S = TypeVar("S")
+
+
+class BatchListener(Protocol):
+    def update_batch(self, batch_update: Any) -> None: ...
+
+
+class SlotMirror(Generic[S]):
+    """A dict ``batch index -> state`` that follows added/removed/moved requests."""
+
+    def __init__(
+        self,
+        make: Callable[[Any, list[int] | None, list[int] | None], S],
+        finish: Callable[[S], None],
+    ) -> None:
+        self.slots: dict[int, S] = {}
+        self._make = make
+        self._finish = finish
+
+    def _drop(self, index: int) -> None:
+        state = self.slots.pop(index, None)
+        if state is not None:
+            self._finish(state)
+
+    def apply(self, batch_update: Any) -> None:
+        if not batch_update:
+            return
+        for index in batch_update.removed:
+            self._drop(index)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            self._drop(index)
+            self.slots[index] = self._make(params, prompt_ids, output_ids)
+        for a, b, direction in batch_update.moved:
+            sa, sb = self.slots.pop(a, None), self.slots.pop(b, None)
+            if sa is not None:
+                self.slots[b] = sa
+            if sb is not None and direction.name == "SWAP":
+                self.slots[a] = sb
+            elif sb is not None:
+                self._finish(sb)
+
+    def rows(self, num_reqs: int) -> list[S] | None:
+        """States of rows ``0..num_reqs-1``, or None when the step does not match the mirror
+        (a dummy or profiling run)."""
+        if num_reqs != len(self.slots):
+            return None
+        try:
+            return [self.slots[i] for i in range(num_reqs)]
+        except KeyError:
+            return None
+
+
+_LISTENERS: dict[str, BatchListener] = {}
+
+
+def register_listener(name: str, listener: BatchListener) -> None:
+    """One listener per name and process; a newer engine's controller replaces the old."""
+    _LISTENERS[name] = listener
+
+
+def listener(name: str) -> BatchListener | None:
+    return _LISTENERS.get(name)
+
+
+def notify(batch_update: Any) -> None:
+    for listener_ in list(_LISTENERS.values()):
+        listener_.update_batch(batch_update)
