@@ -144,6 +144,39 @@ class PrecisionConfig(_Strict):
         return self.level_gears
 
 
+class FloorConfig(_Strict):
+    """EMAD floor schedule: depth >= F_t, a linear taper from all layers to ``min_layers``
+    over the first ``tokens`` generated tokens (snapped up to a layer with a readout)."""
+
+    tokens: int = Field(16, ge=0)
+    min_layers: int | None = Field(None, ge=1)
+    """Default: the profile's shallowest probe layer (the floor only protects the start)."""
+
+
+class RefreshConfig(_Strict):
+    """EMAD windowed refresh: every ``every`` generated tokens the depth cap rises by
+    ``raise_layers`` (snapped up to a readout layer). Earlier tokens that stopped shallower
+    get the missing K/V by state propagation from their stored exit states."""
+
+    every: int = Field(ge=1)
+    raise_layers: int = Field(ge=1)
+
+
+class DepthConfig(_Strict):
+    """EMAD adaptive depth: calibrated early exit with a KV-consistent monotone schedule."""
+
+    profile: str = Field(min_length=1)
+    """Profile directory written by ``vllm-adaptive calibrate``."""
+    budget: float | None = Field(None, gt=0.0, le=1.0)
+    """Mean cost fraction (the profile's kind: layers or FLOPs); 1.0 means no exits.
+    Default: the budget the profile was calibrated for."""
+    floor: FloorConfig | None = FloorConfig()
+    """null turns the floor off."""
+    refresh: RefreshConfig | None = None
+    telemetry_path: str | None = None
+    """Append one JSON line per finished request (mean depth, exit histogram, depths)."""
+
+
 class AdaptiveConfig(_Strict):
     """Engine-wide adaptive settings (one per vLLM engine)."""
 
@@ -151,14 +184,28 @@ class AdaptiveConfig(_Strict):
     """"off": every configured mechanism is disabled and the adaptive model class produces
     exactly stock vLLM's output (a kill switch that keeps the rest of the config)."""
     precision: PrecisionConfig | None = None
+    depth: DepthConfig | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> AdaptiveConfig:
+        if self.precision is not None and self.depth is not None:
+            raise ValueError(
+                '"precision" and "depth" cannot be combined yet: gear plans are made per '
+                "token for the whole step, depth-peeling shrinks the batch inside the step"
+            )
+        return self
 
     @property
     def any_mechanism_enabled(self) -> bool:
-        return self.mode == "on" and self.precision is not None
+        return self.mode == "on" and (self.precision is not None or self.depth is not None)
 
     @property
     def active_precision(self) -> PrecisionConfig | None:
         return self.precision if self.mode == "on" else None
+
+    @property
+    def active_depth(self) -> DepthConfig | None:
+        return self.depth if self.mode == "on" else None
 
 
 def format_validation_error(err: ValidationError, root: str) -> str:

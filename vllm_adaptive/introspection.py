@@ -23,3 +23,9 @@ def gear_telemetry(model: Any) -> dict[str, Any] | None:
     """Per-request gear statistics and traces of a precision engine (None without one)."""
     controller = getattr(model, "precision", None)
     return controller.telemetry() if controller is not None else None
+
+
+def depth_telemetry(model: Any) -> dict[str, Any] | None:
+    """Engine exit statistics and per-request depth records of an adaptive-depth engine."""
+    runtime = getattr(model, "depth", None)
+    return runtime.requests.telemetry() if runtime is not None else None

@@ -27,7 +27,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--norm-metric", choices=("logits", "hidden"), default="hidden")
     p.add_argument("--no-norm-bias", action="store_true", help="fit a_l only (b_l = 0)")
     p.add_argument("--population", choices=("all", "agree"), default="all")
-    p.add_argument("--floor-tokens", type=int, default=0)
+    p.add_argument("--floor-tokens", type=int, default=16, help="as adaptive.depth.floor")
     p.add_argument("--floor-min", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the full summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -41,7 +41,7 @@ class CalibrationOptions:
     proxy: str = "lowrank"  # which proxy the exit rule uses: lowrank | feature
     topk: int = 32
     population: str = "all"  # tokens the quantile runs over: all (paper) | agree
-    floor_tokens: int = 0
+    floor_tokens: int = 16  # the runtime's default floor (adaptive.depth.floor)
     floor_min: int | None = None
     collect: CollectConfig = field(default_factory=CollectConfig)
 
@@ -139,10 +139,13 @@ def calibrate(
         context=col.context.numpy().reshape(S, K)[val_streams],
     )
     pflops = lowrank.flops()
+    floor_min = opts.floor_min
+    if opts.floor_tokens > 0 and floor_min is None:
+        floor_min = col.probe_layers[0]  # as the runtime: the floor protects the start only
 
     def run(q: float) -> SimResult:
         return simulate(
-            sim, entropy_targets(pops, q) - marg, shape, pflops, opts.floor_tokens, opts.floor_min
+            sim, entropy_targets(pops, q) - marg, shape, pflops, opts.floor_tokens, floor_min
         )
 
     found = search_q(run, opts.budget, opts.budget_kind)
@@ -186,7 +189,7 @@ def calibrate(
         "budget_kind": opts.budget_kind,
         "budget_met": found.met,
         "q": found.q,
-        "floor": {"tokens": opts.floor_tokens, "min": opts.floor_min},
+        "floor": {"tokens": opts.floor_tokens, "min": floor_min},
         "tau": tau.tolist(),
         "margins": marg.tolist(),
         "thresholds": thresholds.tolist(),
@@ -210,6 +213,16 @@ def calibrate(
         "margin": torch.from_numpy(marg).float(),
         "threshold": torch.from_numpy(thresholds).float(),
     }
+    # The runtime turns any budget (global or per request) into thresholds through this
+    # table: q on a grid, the thresholds tau(q) - m, and the simulated cost of each row.
+    q_grid = np.linspace(0.0, 1.0, 101)
+    rows = [run(float(q)) for q in q_grid]
+    tensors["table_q"] = torch.from_numpy(q_grid).float()
+    tensors["table_thresholds"] = torch.stack(
+        [torch.from_numpy(entropy_targets(pops, float(q)) - marg).float() for q in q_grid]
+    )
+    tensors["table_layers_fraction"] = torch.tensor([r.layers_fraction for r in rows])
+    tensors["table_flops_fraction"] = torch.tensor([r.flops_fraction for r in rows])
     for p, m in enumerate(feature_maps):
         tensors[f"feature_knots_x.{p}"] = torch.from_numpy(m.x.copy())
         tensors[f"feature_knots_y.{p}"] = torch.from_numpy(m.y.copy())

@@ -14,12 +14,14 @@ from itertools import islice
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import ignore_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.depth.runtime import DepthRuntime
 from vllm_adaptive.precision.controller import PrecisionController
 from vllm_adaptive.precision.install import calibrate_from_prefill, install_precision
 
@@ -32,6 +34,17 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             f"adaptive: speculative method {spec.method!r} needs auxiliary hidden states "
             "from the target model, which the adaptive layer loop does not produce yet"
         )
+    if adaptive.active_depth is not None:
+        if spec is not None:
+            raise AdaptiveConfigError(
+                "adaptive.depth: speculative decoding verifies several tokens per request per "
+                "step; the exit schedule needs one decode token per request (turn one off)"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise AdaptiveConfigError(
+                "adaptive.depth: exits need every layer on one pipeline stage "
+                "(pipeline_parallel_size must be 1)"
+            )
     if adaptive.active_precision is None:
         return
     if spec is not None:
@@ -72,6 +85,11 @@ class AdaptiveLlamaModel(LlamaModel):
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
 
+        runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
+        if runtime is not None and residual is None and not extra_layer_kwargs:
+            out = runtime.forward(self, positions, hidden)
+            if out is not None:
+                return out
         hidden, residual = self.run_layers(positions, hidden, residual, **extra_layer_kwargs)
 
         if not get_pp_group().is_last_rank:
@@ -92,6 +110,40 @@ class AdaptiveLlamaModel(LlamaModel):
         return hidden, residual
 
 
+@ignore_torch_compile
+class EagerAdaptiveLlamaModel(AdaptiveLlamaModel):
+    """The decoder for adaptive depth: which tokens run which layer depends on the data, so
+    it runs eagerly whatever the compilation config (the rest of vLLM is unchanged)."""
+
+
+def load_depth_runtime(model: AdaptiveLlamaModel, vllm_config: VllmConfig, depth) -> DepthRuntime:
+    """Load and check the profile, then build the runtime; errors name the config key."""
+    from vllm_adaptive.depth.exit_profile import ExitProfile
+    from vllm_adaptive.depth.peeling import SUPPORTED_BACKENDS
+    from vllm_adaptive.depth.profile import ProfileError
+
+    try:
+        profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)
+    except ProfileError as e:
+        raise AdaptiveConfigError(f"adaptive.depth.profile: {e}") from None
+    num_layers = vllm_config.model_config.hf_config.num_hidden_layers
+    if profile.num_layers != num_layers:
+        raise AdaptiveConfigError(
+            f"adaptive.depth.profile: made for {profile.num_layers} layers, model has {num_layers}"
+        )
+    if depth.floor is not None and (depth.floor.min_layers or 1) > num_layers:
+        raise AdaptiveConfigError(
+            f"adaptive.depth.floor.min_layers: {depth.floor.min_layers} > {num_layers} layers"
+        )
+    backend = model.layers[0].self_attn.attn.attn_backend.get_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise AdaptiveConfigError(
+            f"adaptive.depth: depth-peeling supports the attention backends {SUPPORTED_BACKENDS}, "
+            f"this engine uses {backend}"
+        )
+    return DepthRuntime(model, depth, profile, vllm_config)
+
+
 class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
     """Registered as "AdaptiveLlamaForCausalLM"; chosen by the dispatcher when
     `additional_config` has an "adaptive" section."""
@@ -109,6 +161,13 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         self.adaptive_config = adaptive
         self.precision: PrecisionController | None = None
         self._tokenizer_path = vllm_config.model_config.tokenizer
+        self.depth: DepthRuntime | None = None
+        if adaptive.active_depth is not None:
+            from vllm_adaptive.batch_mirror import register_listener
+
+            self.depth = load_depth_runtime(self.model, vllm_config, adaptive.active_depth)
+            self.model.depth_runtime = self.depth
+            register_listener("depth", self.depth.requests)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
@@ -146,4 +205,8 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         prefix: str = "",
         layer_type: type[nn.Module] = LlamaDecoderLayer,
     ) -> AdaptiveLlamaModel:
-        return AdaptiveLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        adaptive = adaptive_config_from_vllm(vllm_config)
+        cls = AdaptiveLlamaModel
+        if adaptive is not None and adaptive.active_depth is not None:
+            cls = EagerAdaptiveLlamaModel
+        return cls(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)

@@ -1,0 +1,66 @@
+"""K/V backfill for windowed refresh, by state propagation (CALM).
+
+When a refresh lets a token run deeper than earlier tokens did, the earlier tokens have no
+K/V at the extra layers. Each of them stored its exit state (the residual stream where it
+stopped); for every missing layer l its K/V are made from that state through layer l's own
+input norm, K/V projection and rotary embedding, and written into the same paged-cache slots
+the backbone would have used. The depth record then says those layers are written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive.depth.record import SlotDepthRecord
+
+
+class ExitStateStore:
+    """The residual stream of every token that stopped before the last layer, per cache slot."""
+
+    def __init__(self, num_slots: int, hidden: int, dtype: torch.dtype, device) -> None:
+        self.state = torch.zeros(num_slots, hidden, dtype=dtype, device=device)
+
+    def write(self, slots: torch.Tensor, stream: torch.Tensor) -> None:
+        self.state[slots.long()] = stream.to(self.state.dtype)
+
+
+def _kv_cache(attn) -> torch.Tensor:
+    cache = attn.kv_cache
+    return cache[0] if isinstance(cache, (list, tuple)) else cache
+
+
+@torch.inference_mode()
+def backfill(
+    layers,
+    record: SlotDepthRecord,
+    store: ExitStateStore,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    target_depth: int,
+) -> int:
+    """Give ``slots`` (holding tokens at ``positions``) K/V up to ``target_depth`` layers.
+
+    Returns the number of (token, layer) K/V pairs written.
+    """
+    have = record.read(slots).long()
+    need = have < target_depth
+    if not bool(need.any()):
+        return 0
+    slots, positions, have = slots[need], positions[need], have[need]
+    states = store.state[slots.long()]
+    written = 0
+    for layer_index in range(int(have.min()), target_depth):
+        sel = have <= layer_index
+        layer = layers[layer_index]
+        attn_mod = layer.self_attn
+        x = layer.input_layernorm(states[sel])
+        qkv, _ = attn_mod.qkv_proj(x)
+        q, k, v = qkv.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+        _, k = attn_mod.rotary_emb(positions[sel], q, k)
+        attn = attn_mod.attn
+        k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
+        v = v.reshape(-1, attn.num_kv_heads, attn.head_size)
+        attn.impl.do_kv_cache_update(attn, k, v, _kv_cache(attn), slots[sel])
+        written += int(sel.sum())
+    record.write(slots, target_depth)
+    return written

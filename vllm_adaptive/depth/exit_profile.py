@@ -1,0 +1,84 @@
+"""A calibration profile as the runtime uses it: probe layers, readout norms, proxy factors,
+and the q-table that turns any budget into per-layer exit thresholds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_adaptive.depth.profile import ProfileError, load_profile
+
+_REQUIRED = (
+    "norm_a",
+    "norm_b",
+    "lowrank_u",
+    "lowrank_v",
+    "threshold",
+    "table_thresholds",
+    "table_layers_fraction",
+    "table_flops_fraction",
+)
+
+
+@dataclass
+class ExitProfile:
+    probe_layers: list[int]  # exits after this many blocks (ascending, < num_layers)
+    num_layers: int
+    temperature: float
+    budget: float
+    budget_kind: str  # "layers" | "flops"
+    norm_a: torch.Tensor  # [P, d]
+    norm_b: torch.Tensor  # [P, d]
+    lowrank_u: torch.Tensor  # [V, r]
+    lowrank_v: torch.Tensor  # [d, r]
+    thresholds: np.ndarray  # [P] at the profile's own budget
+    table_thresholds: np.ndarray  # [Q, P], rows by increasing q (more exits)
+    table_cost: np.ndarray  # [Q] simulated cost fraction of each row (budget_kind)
+    path: str = ""
+
+    @classmethod
+    def load(cls, profile_dir: str | Path, model_dir: str | Path) -> ExitProfile:
+        """Load and check a profile for ``model_dir``; `ProfileError` says what is wrong."""
+        prof = load_profile(profile_dir, model_dir)
+        missing = [k for k in _REQUIRED if k not in prof.tensors]
+        if missing:
+            raise ProfileError(
+                f"profile {profile_dir} lacks {missing}: made by an older calibrate; recalibrate"
+            )
+        m, t = prof.meta, prof.tensors
+        kind = m.get("budget_kind", "layers")
+        return cls(
+            probe_layers=[int(x) for x in m["probe_layers"]],
+            num_layers=int(m["num_layers"]),
+            temperature=float(m.get("temperature", 1.0)),
+            budget=float(m["budget"]),
+            budget_kind=kind,
+            norm_a=t["norm_a"].float(),
+            norm_b=t["norm_b"].float(),
+            lowrank_u=t["lowrank_u"].float(),
+            lowrank_v=t["lowrank_v"].float(),
+            thresholds=t["threshold"].double().numpy(),
+            table_thresholds=t["table_thresholds"].double().numpy(),
+            table_cost=t[f"table_{kind}_fraction"].double().numpy(),
+            path=str(profile_dir),
+        )
+
+    @property
+    def readout_layers(self) -> list[int]:
+        """Depths a token can end at: every probe layer, and the full model."""
+        return [*self.probe_layers, self.num_layers]
+
+    def thresholds_for(self, budget: float) -> np.ndarray:
+        """Per-probe exit thresholds whose simulated cost fits ``budget``.
+
+        1.0 means no exits (thresholds of -inf). Otherwise the most conservative row of the
+        q-table whose cost is within the budget; if no row reaches it, the cheapest row.
+        """
+        if budget >= 1.0:
+            return np.full(len(self.probe_layers), -np.inf)
+        fits = np.nonzero(self.table_cost <= budget + 1e-9)[0]
+        row = int(fits[0]) if len(fits) else int(np.argmin(self.table_cost))
+        return self.table_thresholds[row]

@@ -1,0 +1,130 @@
+"""Batched depth-peeling: attention metadata for the subset of requests still running.
+
+At each layer only the tokens still active run it, as one batched call. The attention layers
+read their metadata and slot mapping from vLLM's forward context by layer name, so peeling
+swaps in metadata sliced to the active requests (re-based query offsets, their sequence
+lengths, block-table rows and slots) and, for the CPU backend, recomputes the kernel's
+scheduler metadata. The set only changes at probe layers, so that is at most once per probe.
+
+Only vLLM's CPU backend (CPU_ATTN) is supported: on GPU backends a subset would also need
+its own CUDA graph (one per active-set size) or an eager fallback, see docs/adaptive-depth.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+SUPPORTED_BACKENDS = ("CPU_ATTN",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSchedulerArgs:
+    """What the CPU backend's builder passes to its scheduler-metadata op."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    sliding_window: int
+    isa: str
+    kv_cache_dtype: str
+
+    @classmethod
+    def from_layer(cls, attn: Any, dtype: torch.dtype, kv_cache_dtype: str) -> CpuSchedulerArgs:
+        return cls(
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_size,
+            dtype=dtype,
+            sliding_window=attn.impl.sliding_window,
+            isa=attn.isa,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+
+def token_index(query_start_loc: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Token indices (in the step's order) of request ``rows``."""
+    starts, ends = query_start_loc[rows], query_start_loc[rows + 1]
+    counts = (ends - starts).long()
+    base = torch.repeat_interleave(starts.long(), counts)
+    offsets = torch.arange(int(counts.sum()), device=rows.device) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts
+    )
+    return base + offsets
+
+
+def subset_cpu_metadata(md: Any, rows: torch.Tensor, args: CpuSchedulerArgs) -> Any:
+    """`CPUAttentionMetadata` for requests ``rows`` (ascending) of ``md``."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    qsl = md.query_start_loc
+    counts = (qsl[1:] - qsl[:-1])[rows]
+    new_qsl = torch.zeros(len(rows) + 1, dtype=qsl.dtype, device=qsl.device)
+    torch.cumsum(counts, 0, out=new_qsl[1:])
+    seq_lens = md.seq_lens[rows]
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(rows),
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        seq_lens=seq_lens,
+        dtype=args.dtype,
+        query_start_loc=new_qsl,
+        causal=md.causal,
+        sliding_window_size=args.sliding_window,
+        isa=args.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    return dataclasses.replace(
+        md,
+        num_actual_tokens=int(counts.sum()),
+        max_query_len=int(counts.max()),
+        query_start_loc=new_qsl,
+        max_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens,
+        block_table=md.block_table[rows],
+        slot_mapping=md.slot_mapping[token_index(qsl, rows)],
+        scheduler_metadata=sched,
+    )
+
+
+@contextmanager
+def step_metadata(layer_names: list[str]) -> Iterator[PeelingContext]:
+    """Lets the layer loop swap per-layer metadata for this step; restores it afterwards."""
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    md_dict, slot_dict = ctx.attn_metadata, ctx.slot_mapping
+    saved_md = {n: md_dict[n] for n in layer_names}
+    saved_slots = {n: slot_dict.get(n) for n in layer_names}
+    try:
+        yield PeelingContext(md_dict, slot_dict, layer_names)
+    finally:
+        md_dict.update(saved_md)
+        for n, s in saved_slots.items():
+            if s is not None:
+                slot_dict[n] = s
+
+
+@dataclasses.dataclass
+class PeelingContext:
+    md_dict: dict
+    slot_dict: dict
+    layer_names: list[str]
+
+    def base(self) -> Any:
+        return self.md_dict[self.layer_names[0]]
+
+    def install(self, md: Any, from_layer: int) -> None:
+        """Use ``md`` for layers ``from_layer`` onwards."""
+        for name in self.layer_names[from_layer:]:
+            self.md_dict[name] = md
+            self.slot_dict[name] = md.slot_mapping

@@ -1,0 +1,136 @@
+"""Per-request depth state (budget, thresholds, depths so far) and per-request telemetry."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_adaptive.batch_mirror import SlotMirror
+
+
+@dataclass
+class DepthRequest:
+    tag: str
+    prompt_len: int
+    budget: float | None  # the request's override, None: the engine's
+    off: bool
+    thresholds: np.ndarray
+    depths: list[int] = field(default_factory=list)  # depth of each generated token
+    capped_prefill: int | None = None
+
+    def record(self, num_layers: int, engine_budget: float) -> dict[str, Any]:
+        hist: dict[str, int] = {}
+        for d in self.depths:
+            hist[str(d)] = hist.get(str(d), 0) + 1
+        return {
+            "tag": self.tag,
+            "mechanism": "depth",
+            "prompt_tokens": self.prompt_len,
+            "generated_tokens": len(self.depths),
+            "budget": self.budget if self.budget is not None else engine_budget,
+            "budget_override": self.budget is not None,
+            "mode": "off" if self.off else "on",
+            "num_layers": num_layers,
+            "mean_depth": float(np.mean(self.depths)) if self.depths else None,
+            "exit_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "depths": list(self.depths),
+            "capped_prefill_depth": self.capped_prefill,
+            "finished_at": time.time(),
+        }
+
+
+class DepthRequests:
+    """Mirror of the persistent batch (see `batch_mirror`) holding `DepthRequest`s."""
+
+    def __init__(self, runtime: Any, telemetry_path: str | None) -> None:
+        self.runtime = runtime
+        self.telemetry_path = telemetry_path
+        self.mirror: SlotMirror[DepthRequest] = SlotMirror(self._new, self._finish)
+        self.finished: list[dict[str, Any]] = []
+        self.max_finished = 4096
+        self.finished_count = 0
+        self.seen = 0
+        self._lock = threading.Lock()
+        self._last_export = 0.0
+
+    def _new(self, params: Any, prompt_ids: list[int] | None, _out: Any) -> DepthRequest:
+        from vllm_adaptive.request_overrides import parse_request_overrides
+
+        o = parse_request_overrides(params.extra_args if params is not None else None)
+        self.seen += 1
+        off = o.mode == "off"
+        return DepthRequest(
+            tag=o.request_tag or f"req{self.seen}",
+            prompt_len=len(prompt_ids or ()),
+            budget=o.depth_budget,
+            off=off,
+            thresholds=self.runtime.thresholds(1.0 if off else o.depth_budget),
+        )
+
+    def _finish(self, req: DepthRequest) -> None:
+        rec = req.record(self.runtime.num_layers, self.runtime.budget)
+        self.finished.append(rec)
+        del self.finished[: -self.max_finished]
+        self.finished_count += 1
+        if self.telemetry_path:
+            with open(self.telemetry_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        _exchange("append_request_record", rec)
+        self.export(force=True)
+
+    def update_batch(self, batch_update: Any) -> None:
+        with self._lock:
+            self.mirror.apply(batch_update)
+
+    def rows(self, num_reqs: int) -> list[DepthRequest] | None:
+        return self.mirror.rows(num_reqs)
+
+    def observe(self, plan: Any, depth: list[int]) -> None:
+        """Depth of the token each row produced this step (prefill rows: only the row's last
+        chunk produces a token; its depth is the prefill depth)."""
+        if plan.states is None:
+            return
+        for r, req in enumerate(plan.states):
+            if not plan.samples[r]:
+                continue
+            if not plan.decode[r] and int(depth[r]) < self.runtime.num_layers:
+                req.capped_prefill = int(depth[r])
+            req.depths.append(int(depth[r]))
+        self.export()
+
+    def export(self, force: bool = False) -> None:
+        """Engine counters for the frontend's Prometheus exporter, at most once a second."""
+        now = time.monotonic()
+        if force or now - self._last_export >= 1.0:
+            self._last_export = now
+            _exchange("write_engine_stats", self.runtime.engine_stats())
+
+    def telemetry(self) -> dict[str, Any]:
+        live = [
+            r.record(self.runtime.num_layers, self.runtime.budget)
+            for _, r in sorted(self.mirror.slots.items())
+        ]
+        return {
+            "engine": self.runtime.engine_stats(),
+            "finished": list(self.finished),
+            "running": live,
+        }
+
+
+def _exchange(fn: str, payload: dict[str, Any]) -> None:
+    """Hand telemetry to the frontend (metrics, HTTP route); never fails a step."""
+    try:
+        from vllm_adaptive import telemetry_exchange
+    except ImportError:
+        return
+    try:
+        getattr(telemetry_exchange, fn)(payload)
+    except Exception:  # telemetry must not break serving
+        import logging
+
+        logging.getLogger("vllm.adaptive.depth").exception("vllm-adaptive: telemetry export")

@@ -1,0 +1,347 @@
+"""Adaptive depth inside vLLM's forward pass: EMAD exits with batched depth-peeling.
+
+Mechanism only; the exit signal (`policies/emad.py`) and the schedule (`schedule.py`) are
+policies it calls. One step:
+
+1. Plan, per request (row of the persistent batch): a decode row may stop at a probe layer
+   between its floor F_t and its cap D_{t-1} (read from the per-slot depth record); a prefill
+   row runs to the shallowest depth recorded for the cached slots it attends to (L unless a
+   prefix-cache hit or resumed request brings slots written by exited tokens), never exits.
+   A refresh row first backfills the K/V its raised cap needs (`backfill.py`).
+2. Peel: run layer by layer; at each probe layer, rows at their cap stop, and decode rows
+   whose proxy entropy passes the threshold stop. Their output is the calibrated readout
+   `a_l * RMSNorm(h) + b_l`, which vLLM's `compute_logits` and sampler then use unchanged.
+   The rest continue as one smaller batch with attention metadata sliced to them.
+3. Commit: every slot written this step records how many layers it got.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_adaptive.depth.backfill import ExitStateStore, backfill
+from vllm_adaptive.depth.exit_profile import ExitProfile
+from vllm_adaptive.depth.peeling import (
+    CpuSchedulerArgs,
+    step_metadata,
+    subset_cpu_metadata,
+    token_index,
+)
+from vllm_adaptive.depth.policies.emad import EmadExitSignal
+from vllm_adaptive.depth.record import SlotDepthRecord
+from vllm_adaptive.depth.requests import DepthRequests
+from vllm_adaptive.depth.schedule import DepthSchedule
+
+logger = logging.getLogger("vllm.adaptive.depth")
+
+
+@dataclass
+class StepPlan:
+    cap: torch.Tensor  # [R] int64, deepest layer each row may run
+    floor: torch.Tensor  # [R] int64, shallowest probe a row may stop at
+    may_exit: torch.Tensor  # [R] bool, decode rows with the exit signal on
+    thresholds: torch.Tensor  # [R, P] float32
+    decode: np.ndarray  # [R] bool
+    samples: np.ndarray  # [R] bool: the row's last token is sampled (decode, last prefill chunk)
+    states: list | None
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    layers_executed: int = 0  # decode token-layers
+    exit_tokens: dict[int, int] = field(default_factory=dict)  # decode tokens by depth
+    capped_prefills: int = 0
+    backfilled_kv: int = 0
+    peels: int = 0
+    decision_seconds: float = 0.0
+    peel_seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+class DepthRuntime:
+    def __init__(self, model: Any, config: Any, profile: ExitProfile, vllm_config: Any) -> None:
+        self.config = config
+        self.profile = profile
+        self.num_layers = profile.num_layers
+        floor = config.floor
+        refresh = config.refresh
+        self.schedule = DepthSchedule(
+            readout_layers=tuple(profile.readout_layers),
+            floor_tokens=floor.tokens if floor is not None else 0,
+            floor_min=floor.min_layers if floor is not None else None,
+            refresh_every=refresh.every if refresh is not None else None,
+            refresh_raise=refresh.raise_layers if refresh is not None else 0,
+        )
+        self.budget = config.budget if config.budget is not None else profile.budget
+        self.requests = DepthRequests(self, config.telemetry_path)
+        self.signal = EmadExitSignal(profile.lowrank_u, profile.lowrank_v, profile.temperature)
+        self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
+        self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
+        self.eps = float(model.norm.variance_epsilon)
+        self.dtype = vllm_config.model_config.dtype
+        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in model.layers]
+        self.record: SlotDepthRecord | None = None
+        self.store: ExitStateStore | None = None
+        self.sched_args: CpuSchedulerArgs | None = None
+        self.counters = EngineCounters()
+        self._thresholds_cache: dict[float, np.ndarray] = {}
+        self._warned: set[str] = set()
+
+    # -- budgets -------------------------------------------------------------------------------
+    def thresholds(self, budget: float | None) -> np.ndarray:
+        b = self.budget if budget is None else budget
+        if b not in self._thresholds_cache:
+            self._thresholds_cache[b] = self.profile.thresholds_for(b)
+        return self._thresholds_cache[b]
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(msg, *args)
+
+    # -- state next to the KV cache ------------------------------------------------------------
+    def _ensure_record(self, model: Any) -> bool:
+        if self.record is not None:
+            return True
+        attn = model.layers[0].self_attn.attn
+        cache = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
+        if cache is None or cache.dim() != 4 or not hasattr(attn, "isa"):
+            return False
+        num_blocks, _, block_size, _ = cache.shape
+        device = cache.device
+        self.record = SlotDepthRecord(num_blocks * block_size, block_size, device)
+        if self.config.refresh is not None:
+            hidden = model.norm.weight.shape[0]
+            self.store = ExitStateStore(num_blocks * block_size, hidden, self.dtype, device)
+        self.sched_args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
+        self.norm_a, self.norm_b = self.norm_a.to(device), self.norm_b.to(device)
+        self.signal.to(device)
+        logger.info(
+            "vllm-adaptive depth: record for %d slots (block size %d), budget %.3g (%s), "
+            "probes %s, floor %s, refresh %s",
+            self.record.num_slots,
+            block_size,
+            self.budget,
+            self.profile.budget_kind,
+            self.profile.probe_layers,
+            self.config.floor,
+            self.config.refresh,
+        )
+        return True
+
+    # -- 1. plan ---------------------------------------------------------------------------------
+    def _plan(self, model: Any, md: Any, positions: torch.Tensor) -> StepPlan:
+        record = self.record
+        assert record is not None
+        qsl = md.query_start_loc.cpu()
+        num_reqs = qsl.shape[0] - 1
+        counts = (qsl[1:] - qsl[:-1]).tolist()
+        seq_lens = md.seq_lens.cpu().tolist()
+        last_pos = positions[(qsl[1:] - 1).long().to(positions.device)].cpu().tolist()
+        states = self.requests.rows(num_reqs)
+        L = self.num_layers
+        P = len(self.profile.probe_layers)
+        cap = np.full(num_reqs, L, dtype=np.int64)
+        floor = np.zeros(num_reqs, dtype=np.int64)
+        may_exit = np.zeros(num_reqs, dtype=bool)
+        decode = np.zeros(num_reqs, dtype=bool)
+        samples = np.zeros(num_reqs, dtype=bool)
+        thresholds = np.full((num_reqs, P), -np.inf)
+        if states is None:
+            self._warn_once("unmapped", "vllm-adaptive depth: step not mapped; no exits")
+        for r in range(num_reqs):
+            state = states[r] if states is not None else None
+            block_row = md.block_table[r]
+            p = int(last_pos[r])
+            samples[r] = state is not None and p + 1 == seq_lens[r] and p + 1 >= state.prompt_len
+            if state is not None and counts[r] == 1 and p >= state.prompt_len:
+                decode[r] = True
+                t = p - state.prompt_len + 1
+                prev = int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
+                if prev <= 0:
+                    self._warn_once("prev0", "vllm-adaptive depth: unrecorded previous slot")
+                    prev = L
+                c = self.schedule.cap(t, prev)
+                if c > prev:
+                    c = self._refresh(model, block_row, p, c)
+                cap[r] = c
+                floor[r] = self.schedule.floor(t)
+                if not state.off:
+                    may_exit[r] = True
+                    thresholds[r] = state.thresholds
+            else:
+                context = int(seq_lens[r]) - counts[r]
+                low = record.context_min(block_row, context)
+                if low is not None and low < L:
+                    if low <= 0:
+                        self._warn_once("ctx0", "vllm-adaptive depth: unrecorded context slot")
+                    else:
+                        cap[r] = low
+                        self.counters.capped_prefills += 1
+                floor[r] = cap[r]
+        return StepPlan(
+            cap=torch.from_numpy(cap),
+            floor=torch.from_numpy(floor),
+            may_exit=torch.from_numpy(may_exit),
+            thresholds=torch.from_numpy(thresholds).float(),
+            decode=decode,
+            samples=samples,
+            states=states,
+        )
+
+    def _refresh(self, model: Any, block_row: torch.Tensor, p: int, cap: int) -> int:
+        """Backfill K/V of positions [0, p) up to ``cap`` layers; keep the old cap if the
+        exit states needed are not stored."""
+        record, store = self.record, self.store
+        assert record is not None
+        if store is None:
+            return int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
+        pos = torch.arange(p, device=block_row.device)
+        slots = record.slots(block_row, pos)
+        self.counters.backfilled_kv += backfill(model.layers, record, store, slots, pos, cap)
+        return cap
+
+    # -- 2. peel ---------------------------------------------------------------------------------
+    def _readout(self, p: int, stream: torch.Tensor) -> torch.Tensor:
+        x = stream.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * self.norm_a[p] + self.norm_b[p]
+
+    @torch.inference_mode()
+    def forward(
+        self, model: Any, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The decoder stack with exits; None when this step is not one it can plan (dummy
+        and profiling runs), and the caller runs every layer."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        md_dict = get_forward_context().attn_metadata
+        if not isinstance(md_dict, dict) or self.layer_names[0] not in md_dict:
+            return None
+        md = md_dict[self.layer_names[0]]
+        if md is None or not hasattr(md, "block_table") or not self._ensure_record(model):
+            return None
+        if int(md.num_actual_tokens) != positions.shape[0]:
+            return None
+        t0 = time.perf_counter()
+        plan = self._plan(model, md, positions)
+        t_plan = time.perf_counter() - t0
+        with step_metadata(self.layer_names) as ctx:
+            out, depth = self._peel(model, ctx, md, plan, positions, hidden)
+        self._commit(md, plan, depth, positions.shape[0])
+        self.counters.decision_seconds += t_plan
+        self.counters.forward_seconds += time.perf_counter() - t0
+        return out
+
+    def _peel(self, model, ctx, md, plan: StepPlan, positions, hidden):
+        L = self.num_layers
+        c = self.counters
+        num_reqs = plan.cap.shape[0]
+        depth = plan.cap.clone()  # final depth per row
+        out = torch.empty_like(hidden)
+        rows = torch.arange(num_reqs)  # active rows (ascending)
+        cur_qsl = md.query_start_loc.cpu().long()
+        tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
+        h, res, pos = hidden, None, positions
+        for i, layer in enumerate(model.layers):
+            h, res = layer(pos, h, res)
+            count = i + 1
+            p = self.probe_index.get(count)
+            if p is None:
+                continue
+            t0 = time.perf_counter()
+            cap = plan.cap[rows]
+            stop = cap == count
+            cand = plan.may_exit[rows] & (plan.floor[rows] <= count) & (cap > count)
+            cand &= torch.isfinite(plan.thresholds[rows, p])
+            if bool(cand.any()):
+                j = torch.nonzero(cand).squeeze(1)
+                first = cur_qsl[j].to(h.device)  # decode rows: one token each
+                normed = self._readout(p, h[first] + res[first])
+                passed = self.signal.exits(normed, plan.thresholds[rows[j], p].to(h.device))
+                stop[j] |= passed.cpu()
+            c.decision_seconds += time.perf_counter() - t0
+            if not bool(stop.any()):
+                continue
+            t1 = time.perf_counter()
+            js = torch.nonzero(stop).squeeze(1)
+            ts = token_index(cur_qsl, js).to(h.device)
+            stream = h[ts] + res[ts]
+            out[tok[ts]] = self._readout(p, stream).to(out.dtype)
+            depth[rows[js]] = count
+            if self.store is not None:
+                self.store.write(md.slot_mapping[tok[ts]], stream)
+            keep = torch.nonzero(~stop).squeeze(1)
+            if keep.numel() == 0:
+                rows = keep
+                c.peel_seconds += time.perf_counter() - t1
+                break
+            tk = token_index(cur_qsl, keep).to(h.device)
+            h, res, pos, tok = h[tk], res[tk], pos[tk], tok[tk]
+            rows = rows[keep]
+            sub = subset_cpu_metadata(md, rows.to(md.query_start_loc.device), self.sched_args)
+            ctx.install(sub, i + 1)
+            cur_qsl = sub.query_start_loc.cpu().long()
+            c.peels += 1
+            c.peel_seconds += time.perf_counter() - t1
+        if rows.numel() > 0:
+            final, _ = model.norm(h, res)
+            out[tok] = final
+            depth[rows] = L
+        return out, depth
+
+    # -- 3. commit -------------------------------------------------------------------------------
+    def _commit(self, md: Any, plan: StepPlan, depth: torch.Tensor, num_tokens: int) -> None:
+        record = self.record
+        assert record is not None
+        qsl = md.query_start_loc.cpu()
+        counts = (qsl[1:] - qsl[:-1]).long()
+        per_token = torch.repeat_interleave(depth, counts)[:num_tokens]
+        record.write(md.slot_mapping[:num_tokens], per_token.to(md.slot_mapping.device))
+        c = self.counters
+        c.steps += 1
+        dec = torch.from_numpy(plan.decode)
+        c.decode_tokens += int(dec.sum())
+        c.prefill_tokens += int(counts[~dec].sum())
+        d = depth[dec]
+        c.layers_executed += int(d.sum())
+        for v in d.tolist():
+            c.exit_tokens[v] = c.exit_tokens.get(v, 0) + 1
+        self.requests.observe(plan, depth.tolist())
+
+    # -- telemetry -----------------------------------------------------------------------------
+    def engine_stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "mechanism": "depth",
+            "num_layers": self.num_layers,
+            "budget": self.budget,
+            "budget_kind": self.profile.budget_kind,
+            "probe_layers": self.profile.probe_layers,
+            "steps": c.steps,
+            "decode_tokens": c.decode_tokens,
+            "prefill_tokens": c.prefill_tokens,
+            "layers_executed": c.layers_executed,
+            "mean_decode_depth": c.layers_executed / c.decode_tokens if c.decode_tokens else None,
+            "exit_tokens": {str(k): v for k, v in sorted(c.exit_tokens.items())},
+            "capped_prefills": c.capped_prefills,
+            "backfilled_kv": c.backfilled_kv,
+            "peels": c.peels,
+            "decision_seconds": c.decision_seconds,
+            "peel_seconds": c.peel_seconds,
+            "forward_seconds": c.forward_seconds,
+            "requests_finished": self.requests.finished_count,
+        }
+
