@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,22 @@ def model_dir() -> Path:
 # LLM.apply_model sends a function to the worker; ours are importable
 # (vllm_adaptive.introspection) but vLLM still requires this opt-in.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+@pytest.fixture(scope="session")
+def stock_reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Outputs of stock vLLM with the plugin not loaded (VLLM_PLUGINS="")."""
+    out = tmp_path_factory.mktemp("stock") / "outputs.json"
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "engine_outputs.py"), str(model_dir), "{}", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
 
 
 def _shutdown(llm) -> None:

@@ -3,10 +3,6 @@ vLLM's output is token-for-token stock vLLM's (plugin not loaded at all)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,22 +12,6 @@ from vllm_adaptive.introspection import describe_model
 
 pytestmark = pytest.mark.engine
 TESTS = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="session")
-def stock_reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Outputs of stock vLLM with the plugin not loaded (VLLM_PLUGINS="")."""
-    out = tmp_path_factory.mktemp("stock") / "outputs.json"
-    env = {**os.environ, "VLLM_PLUGINS": ""}
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "engine_outputs.py"), str(model_dir), "{}", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 def test_reference_is_nontrivial(stock_reference: dict) -> None:
@@ -53,7 +33,7 @@ def test_plugin_off_loads_stock_class(plugin_off_llm) -> None:
 def test_adaptive_section_selects_adaptive_class(adaptive_llm) -> None:
     (info,) = adaptive_llm.apply_model(describe_model)
     assert info["class"] == "vllm_adaptive.models.llama.AdaptiveLlamaForCausalLM"
-    assert info["adaptive_config"] == {"mode": "on", "precision": None}
+    assert info["adaptive_config"] == {"mode": "on", "precision": None, "depth": None}
 
 
 def test_plugin_off_identical_to_stock(plugin_off_llm, stock_reference: dict) -> None:

@@ -1,0 +1,96 @@
+"""Worker-side instruments for the adaptive-depth engine tests (run through LLM.apply_model).
+
+The KV audit wraps every attention layer's cache write and attention call and keeps its own
+shadow of which (layer, slot) K/V were written, independent of the runtime's depth record:
+a write at layer 0 means a new token owns the slot (its deeper layers are unwritten until
+written again); any write at layer l marks (l, slot). Before each attention call it checks
+that every slot the call attends to (positions [0, seq_len) of each request, through the
+block table) has K/V at that layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_AUDIT: dict[str, Any] = {}
+
+
+def _cache(kv_cache: Any) -> torch.Tensor:
+    return kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
+
+
+def install_kv_audit(model: Any) -> int:
+    layers = model.model.layers
+    num_layers = len(layers)
+    if _AUDIT.get("installed"):
+        return num_layers
+    _AUDIT.update(installed=True, violations=[], reads=0, checked_slots=0, writes=0, shadow=None)
+
+    def shadow_for(kv_cache: Any) -> torch.Tensor:
+        if _AUDIT["shadow"] is None:
+            num_blocks, _, block_size, _ = _cache(kv_cache).shape
+            _AUDIT["block_size"] = block_size
+            _AUDIT["shadow"] = torch.zeros(num_layers, num_blocks * block_size, dtype=torch.bool)
+        return _AUDIT["shadow"]
+
+    for index, layer in enumerate(layers):
+        impl = layer.self_attn.attn.impl
+        orig_update, orig_forward = impl.do_kv_cache_update, impl.forward
+
+        def update(attn, key, value, kv_cache, slot_mapping, _i=index, _orig=orig_update):
+            shadow = shadow_for(kv_cache)
+            slots = slot_mapping.long().cpu()
+            if _i == 0:
+                shadow[:, slots] = False
+            shadow[_i, slots] = True
+            _AUDIT["writes"] += int(slots.numel())
+            return _orig(attn, key, value, kv_cache, slot_mapping)
+
+        def forward(attn, query, key, value, kv_cache, md, *args, _i=index, _o=orig_forward, **kw):
+            if md is not None and hasattr(md, "block_table"):
+                shadow = shadow_for(kv_cache)
+                bs = _AUDIT["block_size"]
+                seq_lens = md.seq_lens.cpu().tolist()
+                for r, n in enumerate(seq_lens):
+                    pos = torch.arange(int(n))
+                    slots = md.block_table[r].cpu().long()[pos // bs] * bs + pos % bs
+                    ok = shadow[_i, slots]
+                    _AUDIT["reads"] += 1
+                    _AUDIT["checked_slots"] += int(n)
+                    if not bool(ok.all()):
+                        _AUDIT["violations"].append((_i, int((~ok).sum())))
+            return _o(attn, query, key, value, kv_cache, md, *args, **kw)
+
+        impl.do_kv_cache_update = update
+        impl.forward = forward
+    return num_layers
+
+
+def audit_report(model: Any) -> dict[str, Any]:
+    v = _AUDIT.get("violations", [])
+    return {
+        "installed": bool(_AUDIT.get("installed")),
+        "violations": len(v),
+        "first_violations": v[:5],
+        "reads": _AUDIT.get("reads", 0),
+        "checked_slots": _AUDIT.get("checked_slots", 0),
+        "writes": _AUDIT.get("writes", 0),
+    }
+
+
+def reset_audit_violations(model: Any) -> None:
+    _AUDIT["violations"] = []
+
+
+def break_prefill_cap(model: Any) -> None:
+    """Negative control: let prefills ignore shallow cached slots (reads unwritten K/V)."""
+    record = model.depth.record
+    record._saved_context_min = record.context_min
+    record.context_min = lambda block_row, num_context: None
+
+
+def restore_prefill_cap(model: Any) -> None:
+    record = model.depth.record
+    record.context_min = record._saved_context_min
