@@ -119,7 +119,7 @@ from vllm_adaptive.plugin import register
 register()
 register()  # vLLM may call it twice in one process
 from vllm_adaptive.telemetry_exchange import stats_dir, write_engine_stats
-d = os.environ["VLLM_ADAPTIVE_STATS_DIR"]
+d = os.environ["ADAPTIVE_STATS_DIR"]
 assert str(stats_dir()) == d
 child = subprocess.run(
     [sys.executable, "-c",

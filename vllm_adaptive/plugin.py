@@ -3,7 +3,7 @@
 vLLM calls `register()` in every process it starts, possibly more than once
 per process, so registration is idempotent. In the frontend it runs before the
 engine and worker processes are spawned, so the telemetry exchange directory
-it ensures (`$VLLM_ADAPTIVE_STATS_DIR`) is inherited by all of them.
+it ensures (`$ADAPTIVE_STATS_DIR`) is inherited by all of them.
 """
 
 from __future__ import annotations

@@ -22,19 +22,17 @@ one directory, JSON only (no pickle: nothing read here can execute code):
     renames it to ``requests.jsonl.1`` (replacing the previous one), so at most
     about 40 MiB are kept and the oldest records are dropped.
 
-The directory is ``$VLLM_ADAPTIVE_STATS_DIR``. When that is unset,
+The directory is ``$ADAPTIVE_STATS_DIR``. When that is unset,
 :func:`ensure_stats_dir` (called by the plugin's ``register()``, which vLLM
 runs in the frontend before it spawns the engine and worker processes) creates
 a fresh ``vllm-adaptive-*`` temporary directory and exports it in
 ``os.environ``, so every process spawned afterwards inherits the same one. A
 directory created that way is removed when the creating process exits; set
-``VLLM_ADAPTIVE_STATS_DIR`` yourself to keep the files.
+``ADAPTIVE_STATS_DIR`` yourself to keep the files.
 
-vLLM 0.32 warns once at start about the unknown ``VLLM_*`` variable (and
-``--fail-on-environ-validation`` refuses it). Adding the name to
-``vllm.envs.environment_variables`` would silence that, but vLLM hashes every
-known variable into its torch.compile cache key, so a per-run path there would
-defeat the compile cache; the name is left unregistered.
+The name has no ``VLLM_`` prefix on purpose: vLLM warns about unknown ``VLLM_*``
+variables (and ``--fail-on-environ-validation`` refuses them), and registering it would put
+a per-run path into vLLM's torch.compile cache key.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 #: Environment variable naming the exchange directory (inherited by spawned processes).
-STATS_DIR_ENV = "VLLM_ADAPTIVE_STATS_DIR"
+STATS_DIR_ENV = "ADAPTIVE_STATS_DIR"
 #: Rotation threshold of ``requests.jsonl`` in bytes (read at every append).
 REQUESTS_MAX_BYTES = 20 * 1024 * 1024
 
@@ -65,7 +63,7 @@ _lock = threading.Lock()
 
 
 def ensure_stats_dir() -> Path:
-    """The exchange directory; create it (and export it) if ``$VLLM_ADAPTIVE_STATS_DIR`` is unset.
+    """The exchange directory; create it (and export it) if ``$ADAPTIVE_STATS_DIR`` is unset.
 
     Safe to call any number of times, in any process: it only creates a
     directory when the variable is unset, so processes that inherited it share it.

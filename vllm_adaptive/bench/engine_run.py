@@ -150,7 +150,18 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
     if spec["additional_config"]:
         out["gears"] = collect_gear_telemetry(llm)
+        out["depth"] = collect_depth_telemetry(llm)
     return out, llm
+
+
+def collect_depth_telemetry(llm: Any) -> dict[str, Any] | None:
+    """The depth runtime's engine counters and per-request records (None without depth)."""
+    from vllm_adaptive.introspection import depth_telemetry
+
+    tel = llm.apply_model(depth_telemetry)[0]
+    if tel is None:
+        return None
+    return {"engine": tel["engine"], "requests": {r["tag"]: r for r in tel["finished"]}}
 
 
 def collect_gear_telemetry(llm: Any) -> dict[str, Any] | None:

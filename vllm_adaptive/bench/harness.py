@@ -221,6 +221,58 @@ def gear_summary(
     }
 
 
+def depth_summary(
+    result: dict[str, Any], workload: dict[str, Any], shape: DenseShape, context: float
+) -> dict[str, Any] | None:
+    """Executed depth of the teacher-forced and throughput tokens, their FLOPs per token by
+    the EMAD FLOP model (layers run, attention at the context, proxies evaluated, LM head),
+    and the share of forward time spent deciding (plan, proxies, bookkeeping)."""
+    tel = result.get("depth")
+    if not tel:
+        return None
+    eng, reqs = tel["engine"], tel["requests"]
+    L = eng["num_layers"]
+    per_layer = shape.layer_linear_flops() + shape.layer_attention_flops(context)
+    proxy = 2.0 * (shape.hidden + shape.vocab) * eng["proxy_rank"]
+    probes_per_token = eng["probe_evals"] / eng["decode_tokens"] if eng["decode_tokens"] else 0.0
+
+    def stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        depths = [d for r in records for d in r["depths"][1:]]  # decode tokens only
+        if not depths:
+            return None
+        hist: dict[str, int] = {}
+        for d in depths:
+            hist[str(d)] = hist.get(str(d), 0) + 1
+        mean = sum(depths) / len(depths)
+        flops = mean * per_layer + probes_per_token * proxy + shape.lm_head_flops()
+        return {
+            "tokens": len(depths),
+            "mean_depth": mean,
+            "layers_fraction": mean / L,
+            "flops_per_token": flops,
+            "exit_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        }
+
+    tf = [reqs[f"tf{i}"] for i in range(len(workload["streams"])) if f"tf{i}" in reqs]
+    tp = [r for tag, r in reqs.items() if tag.startswith("tp-")]
+    return {
+        "budget": eng["budget"],
+        "budget_kind": eng["budget_kind"],
+        "probe_layers": eng["probe_layers"],
+        "teacher_forced": stats(tf),
+        "throughput_runs": stats(tp),
+        "probe_evals_per_decode_token": probes_per_token,
+        "proxy_flops_per_eval": proxy,
+        "decision_share_of_forward": (
+            eng["decision_seconds"] / eng["forward_seconds"] if eng["forward_seconds"] else None
+        ),
+        "peel_share_of_forward": (
+            eng["peel_seconds"] / eng["forward_seconds"] if eng["forward_seconds"] else None
+        ),
+        "engine": eng,
+    }
+
+
 def compare(
     run: dict[str, Any], baseline: dict[str, Any], run_raw: dict[str, Any], base_raw: dict[str, Any]
 ) -> dict[str, Any]:
@@ -293,7 +345,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for c, raw in zip(configs, config_raws, strict=True):
         # Later mechanisms report the depths/precisions they ran; with none, full cost.
         summary = summarize(raw, workload, stock_flops, len(corpora))
+        depth = depth_summary(raw, workload, shape, context)
+        if depth is not None and depth["teacher_forced"] is not None:
+            summary["flops_per_token"] = depth["teacher_forced"]["flops_per_token"]
         entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
+        if depth is not None:
+            entry["depth"] = depth
         gears = gear_summary(raw, workload, shape, corpora)
         if gears is not None:
             entry["gears"] = gears

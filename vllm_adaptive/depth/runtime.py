@@ -62,6 +62,7 @@ class EngineCounters:
     capped_prefills: int = 0
     backfilled_kv: int = 0
     peels: int = 0
+    probe_evals: int = 0  # (token, probe layer) proxy evaluations
     decision_seconds: float = 0.0
     peel_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -268,6 +269,7 @@ class DepthRuntime:
             cand &= torch.isfinite(plan.thresholds[rows, p])
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
+                c.probe_evals += int(j.numel())
                 first = cur_qsl[j].to(h.device)  # decode rows: one token each
                 normed = self._readout(p, h[first] + res[first])
                 passed = self.signal.exits(normed, plan.thresholds[rows[j], p].to(h.device))
@@ -339,9 +341,10 @@ class DepthRuntime:
             "capped_prefills": c.capped_prefills,
             "backfilled_kv": c.backfilled_kv,
             "peels": c.peels,
+            "probe_evals": c.probe_evals,
+            "proxy_rank": int(self.profile.lowrank_v.shape[1]),
             "decision_seconds": c.decision_seconds,
             "peel_seconds": c.peel_seconds,
             "forward_seconds": c.forward_seconds,
             "requests_finished": self.requests.finished_count,
         }
-
