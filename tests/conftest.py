@@ -47,6 +47,25 @@ def stock_reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="session")
+def depth_profile(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real EMAD calibration of the default model (about a minute), shared by the
+    depth engine and server tests: probes every 2 layers, rank 16."""
+    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.depth.calibrate import CalibrationOptions, calibrate
+    from vllm_adaptive.depth.collect import CollectConfig
+
+    tmp = tmp_path_factory.mktemp("depth")
+    corpus = default_code_corpus(tmp / "code.txt", max_chars=300_000)
+    opts = CalibrationOptions(
+        budget=0.6,
+        rank=16,
+        collect=CollectConfig(window=128, tokens=1024, keep=64, probe_every=2),
+    )
+    calibrate(model_dir, [corpus], tmp / "profile", opts, progress=False)
+    return tmp / "profile"
+
+
 def _shutdown(llm) -> None:
     """Stop the engine's processes now rather than at interpreter exit."""
     llm.llm_engine.engine_core.shutdown()

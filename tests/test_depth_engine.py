@@ -25,24 +25,6 @@ NUM_BLOCKS = 12  # x 128 slots: small enough that long batches preempt
 
 
 @pytest.fixture(scope="session")
-def depth_profile(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small real calibration (about a minute): probes every 2 layers, rank 16."""
-    from vllm_adaptive.bench.corpus import default_code_corpus
-    from vllm_adaptive.depth.calibrate import CalibrationOptions, calibrate
-    from vllm_adaptive.depth.collect import CollectConfig
-
-    tmp = tmp_path_factory.mktemp("depth")
-    corpus = default_code_corpus(tmp / "code.txt", max_chars=300_000)
-    opts = CalibrationOptions(
-        budget=0.6,
-        rank=16,
-        collect=CollectConfig(window=128, tokens=1024, keep=64, probe_every=2),
-    )
-    calibrate(model_dir, [corpus], tmp / "profile", opts, progress=False)
-    return tmp / "profile"
-
-
-@pytest.fixture(scope="session")
 def depth_llm(model_dir: Path, depth_profile: Path):
     from vllm import LLM
 

@@ -1,8 +1,8 @@
 """`vllm serve` with the telemetry plugins: vllm_adaptive metrics and the per-request route.
 
-One server start. The test plays the depth runtime's part (it writes an engine
-stats file and a request record into the server's stats directory), so it
-checks the frontend half of the exchange as a user deploys it.
+One server start. A real adaptive-depth engine (budget 1.0, one request at
+0.4) writes the stats and request records; the test reads them back over HTTP as a user
+deploys it, and checks that a bad per-request budget is an HTTP 400.
 """
 
 from __future__ import annotations
@@ -20,26 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.test_server import GREEDY, PROMPT, SERVED_NAME, serving
 from vllm_adaptive.telemetry_exchange import (
     STATS_DIR_ENV,
-    append_request_record,
-    write_engine_stats,
 )
 
 pytestmark = pytest.mark.server
 
 # What README.md tells users to set for the route (the endpoint group is opt-in in vLLM).
 PLUGINS = "vllm_adaptive,vllm_adaptive_metrics,vllm_adaptive_routes"
-ENGINE_STATS = {
-    "mechanism": "depth",
-    "num_layers": 30,
-    "decode_tokens": 120,
-    "prefill_tokens": 50,
-    "layers_executed": 2880,
-    "exit_tokens": {"12": 40, "24": 20, "30": 60},
-    "requests_finished": 4,
-    "decision_seconds": 0.75,
-    "forward_seconds": 6.5,
-}
-RECORD = {"tag": "e2e-depth", "mean_depth": 21.5, "exit_tokens": {"12": 3, "30": 5}}
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -50,16 +36,40 @@ def _get(url: str) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def test_metrics_and_request_route(model_dir: Path, tmp_path: Path) -> None:
+def test_depth_metrics_request_route_and_400(
+    model_dir: Path, depth_profile: Path, tmp_path: Path
+) -> None:
     stats = tmp_path / "stats"
     log = tmp_path / "vllm-serve.log"
     env = {STATS_DIR_ENV: str(stats), "VLLM_PLUGINS": PLUGINS}
-    with serving(model_dir, {}, log, env=env) as url:
-        write_engine_stats(ENGINE_STATS, stats)
-        append_request_record(RECORD, stats)
-        time.sleep(1.2)  # past the collector's one-second throttle
+    adaptive = {"depth": {"profile": str(depth_profile), "budget": 1.0, "floor": {"tokens": 4}}}
+    with serving(model_dir, adaptive, log, env=env) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", timeout=120)
+        xargs = {"adaptive_depth_budget": 0.4, "adaptive_request_tag": "e2e-depth"}
+        out = client.completions.create(
+            model=SERVED_NAME,
+            prompt="def parse_config(path):\n    ",
+            max_tokens=64,
+            temperature=0.0,
+            extra_body={"vllm_xargs": xargs},
+        )
+        assert out.usage.completion_tokens == 64
+        with pytest.raises(openai.BadRequestError, match="adaptive_depth_budget"):
+            client.completions.create(
+                model=SERVED_NAME,
+                prompt=PROMPT,
+                extra_body={"vllm_xargs": {"adaptive_depth_budget": 0}},
+                **GREEDY,
+            )
+        time.sleep(1.2)  # past the collector's one-second throttle
         assert client.completions.create(model=SERVED_NAME, prompt=PROMPT, **GREEDY).choices
+
+        status, body = _get(f"{url}/v1/adaptive/requests/e2e-depth")
+        assert status == 200
+        (record,) = json.loads(body)["records"]
+        assert record["generated_tokens"] == 64 and record["budget"] == 0.4
+        assert record["mean_depth"] < 30
+        assert sum(record["exit_histogram"].values()) == 64
 
         status, body = _get(f"{url}/metrics")
         assert status == 200
@@ -68,23 +78,20 @@ def test_metrics_and_request_route(model_dir: Path, tmp_path: Path) -> None:
             for family in text_string_to_metric_families(body.decode())
             for s in family.samples
         }
-        assert samples["vllm_adaptive:decode_tokens_total", ()] == 120
-        assert samples["vllm_adaptive:layers_executed_total", ()] == 2880
-        assert samples["vllm_adaptive:mean_decode_depth", ()] == 24.0
-        assert samples["vllm_adaptive:decision_seconds_total", ()] == 0.75
-        assert samples["vllm_adaptive:forward_seconds_total", ()] == 6.5
+        decode = samples["vllm_adaptive:decode_tokens_total", ()]
         exits = {
-            dict(labels)["depth"]: value
+            int(dict(labels)["depth"]): value
             for (name, labels), value in samples.items()
             if name == "vllm_adaptive:exit_tokens_total"
         }
-        assert exits == {"12": 40, "24": 20, "30": 60}
+        assert decode >= 63 and sum(exits.values()) == decode
+        assert any(d < 30 and n > 0 for d, n in exits.items())  # the 0.4 request exited
+        layers = samples["vllm_adaptive:layers_executed_total", ()]
+        assert layers == sum(d * n for d, n in exits.items())
+        assert samples["vllm_adaptive:mean_decode_depth", ()] == pytest.approx(layers / decode)
+        assert samples["vllm_adaptive:forward_seconds_total", ()] > 0
         # vLLM's own Prometheus logger is still there beside ours.
         assert any(name == "vllm:generation_tokens_total" for name, _ in samples)
-
-        status, body = _get(f"{url}/v1/adaptive/requests/e2e-depth")
-        assert status == 200
-        assert json.loads(body) == {"tag": "e2e-depth", "records": [RECORD]}
 
         status, body = _get(f"{url}/v1/adaptive/requests/no-such-tag")
         assert status == 404

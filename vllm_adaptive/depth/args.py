@@ -27,6 +27,13 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--norm-metric", choices=("logits", "hidden"), default="hidden")
     p.add_argument("--no-norm-bias", action="store_true", help="fit a_l only (b_l = 0)")
     p.add_argument("--population", choices=("all", "agree"), default="all")
+    p.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.0,
+        help="disable probe layers whose calibrated readout agrees with the final layer less "
+        "often (0: every probe, as the paper)",
+    )
     p.add_argument("--floor-tokens", type=int, default=16, help="as adaptive.depth.floor")
     p.add_argument("--floor-min", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the full summary as JSON")

@@ -63,12 +63,13 @@ def simulate(
     n_probes = np.zeros((S, K))
     agree = np.empty((S, K), dtype=bool)
     passes = data.proxy <= thresholds[:, None, None]  # [P, S, K]
+    evaluated = np.isfinite(thresholds)  # the runtime skips probes that can never pass
     for t in range(K):
         cur = d_prev.copy()
         done = np.zeros(S, dtype=bool)
         for p in range(P):
             live = ~done & (p < d_prev)
-            n_probes[:, t] += live
+            n_probes[:, t] += live & evaluated[p]
             hit = live & passes[p, :, t]
             cur[hit] = p
             done |= hit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ class CalibrationOptions:
     proxy: str = "lowrank"  # which proxy the exit rule uses: lowrank | feature
     topk: int = 32
     population: str = "all"  # tokens the quantile runs over: all (paper) | agree
+    min_agreement: float = 0.0  # disable probes agreeing less (0: the paper, every probe)
     floor_tokens: int = 16  # the runtime's default floor (adaptive.depth.floor)
     floor_min: int | None = None
     collect: CollectConfig = field(default_factory=CollectConfig)
@@ -88,6 +90,13 @@ def calibrate(
     from vllm_adaptive.bench.corpus import read_corpus
 
     t0 = time.perf_counter()
+
+    def stage(msg: str) -> None:
+        if progress:
+            print(
+                f"[calibrate {time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True
+            )
+
     files = [read_corpus(c) for c in corpora]
     model, tok, readout = load_model(model_dir)
     shape = DenseShape.from_hf_config(model.config)
@@ -101,10 +110,12 @@ def calibrate(
     fit_idx = torch.nonzero(stream % 2 == 0).squeeze(1)
     val_idx = torch.nonzero(stream % 2 == 1).squeeze(1)
 
+    stage("fitting Norm_l per probe layer (ridge)")
     norms = fit_layer_norms(
         col.hidden, col.final_normed, readout, fit_idx, opts.ridge, opts.scalar_norm,
         opts.norm_metric, opts.norm_bias,
     )  # fmt: skip
+    stage("low-rank readout, calibrated entropies and proxies per probe layer")
     lowrank = LowRankReadout.fit(readout.unembed, opts.rank)
     lp, fallback = _calibrated_layers(
         col.hidden, readout, norms, lowrank, ccfg.temperature, opts.topk, col.final_argmax,
@@ -113,6 +124,7 @@ def calibrate(
     exact = lp["exact"].numpy()
     fi, vi = fit_idx.numpy(), val_idx.numpy()
     P = len(col.probe_layers)
+    stage("feature proxy isotonic maps, margins")
     feature_maps = [IsotonicMap.fit(lp["score"][p, fi].numpy(), exact[p, fi]) for p in range(P)]
     feature = np.stack([feature_maps[p](lp["score"][p].numpy()) for p in range(P)])
     lowrank_h = lp["lowrank"].numpy()
@@ -143,14 +155,24 @@ def calibrate(
     if opts.floor_tokens > 0 and floor_min is None:
         floor_min = col.probe_layers[0]  # as the runtime: the floor protects the start only
 
-    def run(q: float) -> SimResult:
-        return simulate(
-            sim, entropy_targets(pops, q) - marg, shape, pflops, opts.floor_tokens, floor_min
-        )
+    # Probe layers whose calibrated readout agrees with the final layer less often than
+    # `min_agreement` (fit tokens) never exit (threshold -inf) and are not evaluated.
+    fit_agree = agree_after[:, fi].mean(1)
+    disabled = [p for p in range(P) if fit_agree[p] < opts.min_agreement]
 
+    def thresholds_at(q: float) -> np.ndarray:
+        t = entropy_targets(pops, q) - marg
+        t[disabled] = -np.inf
+        return t
+
+    def run(q: float) -> SimResult:
+        return simulate(sim, thresholds_at(q), shape, pflops, opts.floor_tokens, floor_min)
+
+    stage("budget search over q (exit simulation)")
     found = search_q(run, opts.budget, opts.budget_kind)
     tau = entropy_targets(pops, found.q)
-    thresholds = tau - marg
+    thresholds = thresholds_at(found.q)
+    stage("q sweep and other budgets")
     sweep = {f"{q:.2f}": asdict(run(q)) for q in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)}
     other_budgets = {
         f"{kind}:{b}": {"q": r.q, "met": r.met, **asdict(r.result)}
@@ -184,6 +206,8 @@ def calibrate(
             "plain_lens_fallback_layers": [col.probe_layers[p] for p in fallback],
         },
         "population": opts.population,
+        "min_agreement": opts.min_agreement,
+        "disabled_probe_layers": [col.probe_layers[p] for p in disabled],
         "alpha": opts.alpha,
         "budget": opts.budget,
         "budget_kind": opts.budget_kind,
@@ -215,11 +239,12 @@ def calibrate(
     }
     # The runtime turns any budget (global or per request) into thresholds through this
     # table: q on a grid, the thresholds tau(q) - m, and the simulated cost of each row.
+    stage("q-table for runtime budgets (101 simulations)")
     q_grid = np.linspace(0.0, 1.0, 101)
     rows = [run(float(q)) for q in q_grid]
     tensors["table_q"] = torch.from_numpy(q_grid).float()
     tensors["table_thresholds"] = torch.stack(
-        [torch.from_numpy(entropy_targets(pops, float(q)) - marg).float() for q in q_grid]
+        [torch.from_numpy(thresholds_at(float(q))).float() for q in q_grid]
     )
     tensors["table_layers_fraction"] = torch.tensor([r.layers_fraction for r in rows])
     tensors["table_flops_fraction"] = torch.tensor([r.flops_fraction for r in rows])
@@ -227,6 +252,7 @@ def calibrate(
         tensors[f"feature_knots_x.{p}"] = torch.from_numpy(m.x.copy())
         tensors[f"feature_knots_y.{p}"] = torch.from_numpy(m.y.copy())
     summary["seconds"] = time.perf_counter() - t0
+    stage("writing the profile")
     save_profile(Profile(meta=summary, tensors=tensors), out_dir, model_dir)
     return summary
 
@@ -243,6 +269,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         norm_bias=not args.no_norm_bias,
         proxy=args.proxy,
         population=args.population,
+        min_agreement=args.min_agreement,
         floor_tokens=args.floor_tokens,
         floor_min=args.floor_min,
         collect=CollectConfig(
@@ -258,7 +285,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(json.dumps(s, indent=2))
     else:
         print(format_summary(s))
-    print(Path(args.out))
+    print(f"profile written to {Path(args.out)}", file=sys.stderr)
     return 0
 
 
