@@ -36,5 +36,6 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--floor-tokens", type=int, default=16, help="as adaptive.depth.floor")
     p.add_argument("--floor-min", type=int, default=None)
+    p.add_argument("--plot", help="PNG of per-layer agreement and thresholds")
     p.add_argument("--json", action="store_true", help="print the full summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

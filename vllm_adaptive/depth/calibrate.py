@@ -281,6 +281,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         ),
     )
     s = calibrate(args.model, args.corpus, args.out, opts, progress=not args.quiet)
+    if args.plot:
+        from vllm_adaptive.bench.plot import plot_calibration
+
+        plot_calibration(s, args.plot)
     if args.json:
         print(json.dumps(s, indent=2))
     else:
