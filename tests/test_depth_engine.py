@@ -46,6 +46,7 @@ def depth_llm(model_dir: Path, depth_profile: Path):
         enable_prefix_caching=True,
         num_gpu_blocks_override=NUM_BLOCKS,
         disable_log_stats=False,  # preemption and prefix-hit counters
+        max_num_batched_tokens=256,  # long prompts are prefilled in chunks
         additional_config={"adaptive": {"depth": depth}},
     )
     llm.apply_model(install_kv_audit)
@@ -137,6 +138,8 @@ def test_kv_audit_mixed_batches_prefix_hits_preemption(depth_llm) -> None:
     assert _metric(depth_llm, "vllm:num_preemptions") > preempt0
     assert _metric(depth_llm, "vllm:prefix_cache_hits") > hits0
     assert eng["capped_prefills"] > eng0["capped_prefills"]  # the resumed prefill was capped
+    # chunked prefill and prefix hits: prefill rows that attend to slots of earlier steps
+    assert eng["prefills_with_context"] > eng0["prefills_with_context"]
     assert eng["backfilled_kv"] > eng0["backfilled_kv"]  # refreshes backfilled K/V
     assert eng["peels"] > eng0["peels"]  # batches were really subset mid-step
     (resume,) = _records(depth_llm, "resume")

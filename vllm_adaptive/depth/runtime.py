@@ -60,6 +60,7 @@ class EngineCounters:
     layers_executed: int = 0  # decode token-layers
     exit_tokens: dict[int, int] = field(default_factory=dict)  # decode tokens by depth
     capped_prefills: int = 0
+    prefills_with_context: int = 0  # prefill rows attending to earlier slots (chunks, hits)
     backfilled_kv: int = 0
     peels: int = 0
     probe_evals: int = 0  # (token, probe layer) proxy evaluations
@@ -183,6 +184,8 @@ class DepthRuntime:
             else:
                 context = int(seq_lens[r]) - counts[r]
                 low = record.context_min(block_row, context)
+                if context > 0:
+                    self.counters.prefills_with_context += 1
                 if low is not None and low < L:
                     if low <= 0:
                         self._warn_once("ctx0", "vllm-adaptive depth: unrecorded context slot")
@@ -339,6 +342,7 @@ class DepthRuntime:
             "mean_decode_depth": c.layers_executed / c.decode_tokens if c.decode_tokens else None,
             "exit_tokens": {str(k): v for k, v in sorted(c.exit_tokens.items())},
             "capped_prefills": c.capped_prefills,
+            "prefills_with_context": c.prefills_with_context,
             "backfilled_kv": c.backfilled_kv,
             "peels": c.peels,
             "probe_evals": c.probe_evals,
