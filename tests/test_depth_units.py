@@ -74,6 +74,9 @@ def _profile() -> ExitProfile:
         norm_b=z,
         lowrank_u=torch.zeros(10, 2),
         lowrank_v=torch.zeros(4, 2),
+        proxy="lowrank",
+        feature_knots=[],
+        topk=32,
         thresholds=table[2],
         table_thresholds=table,
         table_cost=cost,
@@ -107,3 +110,23 @@ def test_slot_mirror_follows_adds_removes_moves_and_swaps() -> None:
     mirror.apply(Move(added=[(0, "d", [], [])], removed=[], moved=[]))
     assert finished == ["b", "c"] and mirror.rows(2) == ["d", "a"]
     assert mirror.rows(3) is None  # a step that does not match the mirror
+
+
+def test_feature_proxy_matches_the_calibration_map() -> None:
+    """The runtime's feature proxy equals calibration's: feature score -> isotonic map."""
+    from vllm_adaptive.depth.isotonic import IsotonicMap
+    from vllm_adaptive.depth.policies.emad import EmadExitSignal
+    from vllm_adaptive.depth.proxies import feature_score
+
+    g = torch.Generator().manual_seed(0)
+    u, v = torch.randn(500, 8, generator=g), torch.randn(16, 8, generator=g)
+    normed = torch.randn(64, 16, generator=g)
+    score = feature_score((normed @ v) @ u.T, 1.0, 32).numpy()
+    target = np.sqrt(np.abs(score)) + 0.1 * np.random.default_rng(0).normal(size=score.shape)
+    m = IsotonicMap.fit(score, target)
+    knots = [(torch.from_numpy(m.x.copy()), torch.from_numpy(m.y.copy()))]
+    sig = EmadExitSignal(u, v, 1.0, "feature", knots)
+    got = sig.proxy_entropy(normed, 0).double().numpy()
+    np.testing.assert_allclose(got, m(score), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="knots"):
+        EmadExitSignal(u, v, 1.0, "feature", None)

@@ -34,6 +34,9 @@ class ExitProfile:
     norm_b: torch.Tensor  # [P, d]
     lowrank_u: torch.Tensor  # [V, r]
     lowrank_v: torch.Tensor  # [d, r]
+    proxy: str  # "lowrank" | "feature": the proxy the thresholds were calibrated for
+    feature_knots: list[tuple[torch.Tensor, torch.Tensor]]  # per probe, isotonic map knots
+    topk: int
     thresholds: np.ndarray  # [P] at the profile's own budget
     table_thresholds: np.ndarray  # [Q, P], rows by increasing q (more exits)
     table_cost: np.ndarray  # [Q] simulated cost fraction of each row (budget_kind)
@@ -60,6 +63,13 @@ class ExitProfile:
             norm_b=t["norm_b"].float(),
             lowrank_u=t["lowrank_u"].float(),
             lowrank_v=t["lowrank_v"].float(),
+            proxy=str(m.get("proxy", "lowrank")),
+            feature_knots=[
+                (t[f"feature_knots_x.{p}"], t[f"feature_knots_y.{p}"])
+                for p in range(len(m["probe_layers"]))
+                if f"feature_knots_x.{p}" in t
+            ],
+            topk=int(m.get("topk", 32)),
             thresholds=t["threshold"].double().numpy(),
             table_thresholds=t["table_thresholds"].double().numpy(),
             table_cost=t[f"table_{kind}_fraction"].double().numpy(),

@@ -85,7 +85,14 @@ class DepthRuntime:
         )
         self.budget = config.budget if config.budget is not None else profile.budget
         self.requests = DepthRequests(self, config.telemetry_path)
-        self.signal = EmadExitSignal(profile.lowrank_u, profile.lowrank_v, profile.temperature)
+        self.signal = EmadExitSignal(
+            profile.lowrank_u,
+            profile.lowrank_v,
+            profile.temperature,
+            profile.proxy,
+            profile.feature_knots,
+            profile.topk,
+        )
         self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
         self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
         self.eps = float(model.norm.variance_epsilon)
@@ -275,7 +282,7 @@ class DepthRuntime:
                 c.probe_evals += int(j.numel())
                 first = cur_qsl[j].to(h.device)  # decode rows: one token each
                 normed = self._readout(p, h[first] + res[first])
-                passed = self.signal.exits(normed, plan.thresholds[rows[j], p].to(h.device))
+                passed = self.signal.exits(normed, plan.thresholds[rows[j], p].to(h.device), p)
                 stop[j] |= passed.cpu()
             c.decision_seconds += time.perf_counter() - t0
             if not bool(stop.any()):
@@ -347,6 +354,7 @@ class DepthRuntime:
             "peels": c.peels,
             "probe_evals": c.probe_evals,
             "proxy_rank": int(self.profile.lowrank_v.shape[1]),
+            "proxy": self.profile.proxy,
             "decision_seconds": c.decision_seconds,
             "peel_seconds": c.peel_seconds,
             "forward_seconds": c.forward_seconds,
