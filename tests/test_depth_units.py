@@ -77,6 +77,7 @@ def _profile() -> ExitProfile:
         proxy="lowrank",
         feature_knots=[],
         topk=32,
+        proxy_floor=np.zeros(3),
         thresholds=table[2],
         table_thresholds=table,
         table_cost=cost,

@@ -53,6 +53,7 @@ def simulate(
     proxy_flops: float,
     floor_tokens: int = 0,
     floor_min: int | None = None,
+    proxy_floor: np.ndarray | None = None,
 ) -> SimResult:
     probes = data.probe_layers
     L = data.num_layers
@@ -63,7 +64,9 @@ def simulate(
     n_probes = np.zeros((S, K))
     agree = np.empty((S, K), dtype=bool)
     passes = data.proxy <= thresholds[:, None, None]  # [P, S, K]
-    evaluated = np.isfinite(thresholds)  # the runtime skips probes that can never pass
+    # the runtime skips probes that can never pass (threshold below the proxy's minimum)
+    lowest = np.zeros(len(thresholds)) if proxy_floor is None else proxy_floor
+    evaluated = thresholds >= lowest
     for t in range(K):
         cur = d_prev.copy()
         done = np.zeros(S, dtype=bool)

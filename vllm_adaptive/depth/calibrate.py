@@ -165,8 +165,17 @@ def calibrate(
         t[disabled] = -np.inf
         return t
 
+    # The smallest value the proxy can take at each probe: a threshold below it never passes,
+    # so the runtime does not evaluate that probe (and the simulation does not charge it).
+    if opts.proxy == "feature":
+        proxy_floor = np.array([float(m.y.min()) for m in feature_maps])
+    else:
+        proxy_floor = np.zeros(P)
+
     def run(q: float) -> SimResult:
-        return simulate(sim, thresholds_at(q), shape, pflops, opts.floor_tokens, floor_min)
+        return simulate(
+            sim, thresholds_at(q), shape, pflops, opts.floor_tokens, floor_min, proxy_floor
+        )
 
     stage("budget search over q (exit simulation)")
     found = search_q(run, opts.budget, opts.budget_kind)
@@ -236,11 +245,15 @@ def calibrate(
         "tau": torch.from_numpy(tau).float(),
         "margin": torch.from_numpy(marg).float(),
         "threshold": torch.from_numpy(thresholds).float(),
+        "proxy_floor": torch.from_numpy(proxy_floor).float(),
     }
     # The runtime turns any budget (global or per request) into thresholds through this
     # table: q on a grid, the thresholds tau(q) - m, and the simulated cost of each row.
-    stage("q-table for runtime budgets (101 simulations)")
-    q_grid = np.linspace(0.0, 1.0, 101)
+    stage("q-table for runtime budgets (uniform grid + every budget 0.05..0.99)")
+    # q on a uniform grid plus the q that meets every budget 0.05..0.99 (the cost can fall
+    # steeply in a narrow band of q, which a uniform grid would skip over).
+    budget_qs = [search_q(run, b, opts.budget_kind, iters=20).q for b in np.arange(5, 100) / 100]
+    q_grid = np.unique(np.concatenate([np.linspace(0.0, 1.0, 101), budget_qs]))
     rows = [run(float(q)) for q in q_grid]
     tensors["table_q"] = torch.from_numpy(q_grid).float()
     tensors["table_thresholds"] = torch.stack(

@@ -37,6 +37,7 @@ class ExitProfile:
     proxy: str  # "lowrank" | "feature": the proxy the thresholds were calibrated for
     feature_knots: list[tuple[torch.Tensor, torch.Tensor]]  # per probe, isotonic map knots
     topk: int
+    proxy_floor: np.ndarray  # [P] smallest proxy value: thresholds below it never pass
     thresholds: np.ndarray  # [P] at the profile's own budget
     table_thresholds: np.ndarray  # [Q, P], rows by increasing q (more exits)
     table_cost: np.ndarray  # [Q] simulated cost fraction of each row (budget_kind)
@@ -70,6 +71,11 @@ class ExitProfile:
                 if f"feature_knots_x.{p}" in t
             ],
             topk=int(m.get("topk", 32)),
+            proxy_floor=(
+                t["proxy_floor"].double().numpy()
+                if "proxy_floor" in t
+                else np.zeros(len(m["probe_layers"]))
+            ),
             thresholds=t["threshold"].double().numpy(),
             table_thresholds=t["table_thresholds"].double().numpy(),
             table_cost=t[f"table_{kind}_fraction"].double().numpy(),

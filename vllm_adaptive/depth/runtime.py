@@ -94,6 +94,7 @@ class DepthRuntime:
             profile.topk,
         )
         self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
+        self.proxy_floor = torch.from_numpy(profile.proxy_floor).float()
         self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
         self.eps = float(model.norm.variance_epsilon)
         self.dtype = vllm_config.model_config.dtype
@@ -276,7 +277,7 @@ class DepthRuntime:
             cap = plan.cap[rows]
             stop = cap == count
             cand = plan.may_exit[rows] & (plan.floor[rows] <= count) & (cap > count)
-            cand &= torch.isfinite(plan.thresholds[rows, p])
+            cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
                 c.probe_evals += int(j.numel())
