@@ -47,6 +47,11 @@ def plot_pareto(results: dict[str, Any], path: str) -> None:
             ax.annotate(f"b{b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axvline(1.0, color="grey", linewidth=0.5)
     ax.axhline(0.0, color="grey", linewidth=0.5)
+    worst = max((abs(100.0 * r["ppl_rel_change"]) for r in results["runs"]), default=0.0)
+    if worst > 1000.0:  # a destroyed model beside near-lossless runs: log scale past 1%
+        ax.set_yscale("symlog", linthresh=1.0)
+        lowest = min(100.0 * r["ppl_rel_change"] for r in results["runs"])
+        ax.set_ylim(bottom=min(-1.0, 1.5 * lowest), top=worst * 10)
     ax.set_xlabel("decode tokens/s relative to stock vLLM (same run)")
     ax.set_ylabel("perplexity change vs stock (%), teacher-forced decode")
     ax.set_title(f"vllm-adaptive bench: {results['model'].rstrip('/').split('/')[-1]}")
