@@ -71,17 +71,12 @@ def _shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _make_llm(model_dir: Path, additional_config: dict):
+def _make_llm(model_dir: Path, additional_config: dict, **engine_args):
+    """The suite's engine: bf16, eager, seed 0; ``engine_args`` add to or override that."""
     from vllm import LLM
 
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enforce_eager=True,
-        seed=0,
-        max_model_len=1024,
-        additional_config=additional_config,
-    )
+    args = {"dtype": "bfloat16", "enforce_eager": True, "seed": 0, "max_model_len": 1024}
+    return LLM(model=str(model_dir), additional_config=additional_config, **(args | engine_args))
 
 
 @pytest.fixture(scope="session")

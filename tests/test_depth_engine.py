@@ -26,9 +26,7 @@ NUM_BLOCKS = 12  # x 128 slots: small enough that long batches preempt
 
 @pytest.fixture(scope="session")
 def depth_llm(model_dir: Path, depth_profile: Path):
-    from vllm import LLM
-
-    from tests.conftest import _shutdown
+    from tests.conftest import _make_llm, _shutdown
     from tests.depth_probe import install_kv_audit
 
     depth = {
@@ -37,17 +35,13 @@ def depth_llm(model_dir: Path, depth_profile: Path):
         "floor": {"tokens": 4},
         "refresh": {"every": REFRESH_EVERY, "raise_layers": 4},
     }
-    llm = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enforce_eager=True,
-        seed=0,
-        max_model_len=1024,
+    llm = _make_llm(
+        model_dir,
+        {"adaptive": {"depth": depth}},
         enable_prefix_caching=True,
         num_gpu_blocks_override=NUM_BLOCKS,
         disable_log_stats=False,  # preemption and prefix-hit counters
         max_num_batched_tokens=256,  # long prompts are prefilled in chunks
-        additional_config={"adaptive": {"depth": depth}},
     )
     llm.apply_model(install_kv_audit)
     yield llm

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _shutdown
+from tests.conftest import _make_llm, _shutdown
 
 pytestmark = pytest.mark.engine
 
@@ -38,17 +38,12 @@ GEAR_CONFIG = {
 
 @pytest.fixture(scope="module")
 def gear_llm(model_dir: Path):
-    from vllm import LLM
-
     from vllm_adaptive.bench.teacher_forcing import TeacherForcingLogitsProcessor
 
-    llm = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enforce_eager=True,
-        seed=0,
+    llm = _make_llm(
+        model_dir,
+        {"adaptive": GEAR_CONFIG},
         max_model_len=512,
-        additional_config={"adaptive": GEAR_CONFIG},
         logits_processors=[TeacherForcingLogitsProcessor],
     )
     yield llm
