@@ -172,7 +172,10 @@ class QuickSilverSignalConfig(_Strict):
     tau_drift: float | None = Field(None, gt=0.0)
     """||h_l - h_{l-1}||_2 threshold; default the profile's (``calibrate --signal quicksilver``)."""
     tau_entropy: float | None = Field(None, gt=0.0)
-    """Entropy threshold in nats (the profile's proxy entropy); default the profile's."""
+    """Entropy threshold in nats; default the profile's."""
+    entropy: Literal["proxy", "exact"] | None = None
+    """The readout entropy: "proxy" (the profile's EMAD proxy, cheap) or "exact" (the whole LM
+    head per check). Default: the one the profile's thresholds were calibrated for."""
     min_halting_depth: int = Field(5, ge=0)
     """l_min: no token halts at a layer l <= l_min (appendix B.5: 5)."""
     max_halting_layer: int | None = Field(None, ge=1)
