@@ -475,7 +475,7 @@ def test_quicksilver_calibration_percentiles_and_grid_choice() -> None:
     assert tensors["quicksilver_thresholds"].tolist() == pytest.approx(
         [meta["tau_drift"], meta["tau_entropy"]]
     )
-    assert len(meta["grid"]) == tensors["quicksilver_grid"].shape[0] == 81
+    assert len(meta["grid"]) == tensors["quicksilver_grid"].shape[0] == 121
     tight = QuickSilverCalibration(min_halting_depth=3, max_ppl_increase=0.0)
     meta0, t0 = calibrate_quicksilver(fit, val, _sim(7), SHAPE, tight, entropy_flops=100.0)
     assert not meta0["met"] and t0["quicksilver_thresholds"].tolist() == [0.0, 0.0]
@@ -513,7 +513,7 @@ def test_calibrate_signals_cli_end_to_end(tmp_path: Path) -> None:
     assert prof.probe_layers == list(range(3, 30, 3))
     assert prof.special_token_ids and prof.quicksilver_thresholds is not None
     assert -1.0 <= prof.river_tau <= 1.0 and meta["river"]["table"]
-    assert len(meta["quicksilver"]["grid"]) == 81
+    assert len(meta["quicksilver"]["grid"]) == 121
 
     hf, _, _ = load_model(model)
     ids = torch.tensor([[1] + list(range(200, 230))])
@@ -535,3 +535,15 @@ def test_calibrate_signals_cli_end_to_end(tmp_path: Path) -> None:
     assert mask.tolist() == [False] + [True] * 30  # token 0 is <|im_start|>: protected
     river = build_exit_signal(SignalConfig(policy="river", river={"tau": -1.0}), prof)
     assert river.exit_mask(batch).all()
+
+
+def test_engine_refuses_signals_the_runtime_does_not_run_yet() -> None:
+    """Until runtime.py calls build_exit_signal, a non-EMAD policy stops the engine at start
+    (naming the key) instead of being silently ignored."""
+    from vllm_adaptive.models.llama import load_depth_runtime
+
+    depth = parse_adaptive_config(
+        {"depth": {"profile": "p", "signal": {"policy": "river", "river": {"tau": 0.5}}}}
+    ).depth
+    with pytest.raises(AdaptiveConfigError, match="adaptive.depth.signal.policy"):
+        load_depth_runtime(None, None, depth)

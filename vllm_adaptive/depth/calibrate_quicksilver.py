@@ -7,9 +7,10 @@
    (validation) streams with the runtime's schedule: cost, greedy agreement with the final
    layer, and teacher-forced perplexity;
 4. the choice "for minimal perplexity loss vs maximum FLOPs savings", made concrete: the
-   cheapest grid point (FLOPs) whose perplexity is within ``max_ppl_increase`` of full depth.
-   When no grid point is, the profile's thresholds are 0 (halting never fires) and
-   ``met`` is false; the grid is recorded either way.
+   cheapest grid point (FLOPs, checks included) whose perplexity is within
+   ``max_ppl_increase`` of full depth and that saves FLOPs at all. When no grid point is, the
+   profile's thresholds are 0 (halting never fires) and ``met`` is false; the grid is
+   recorded either way.
 
 Entropy is, by default, the EMAD profile's proxy of the calibrated readout (see
 `policies/quicksilver.py`), so thresholds are in that proxy's nats; ``entropy="exact"``
@@ -35,7 +36,7 @@ from vllm_adaptive.flops import DenseShape
 @dataclass
 class QuickSilverCalibration:
     percentile: float = 25.0
-    grid: tuple[float, ...] = (2.5, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0)
+    grid: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 50.0)
     min_halting_depth: int = 5
     max_halting_layer: int | None = None
     max_ppl_increase: float = 0.01
@@ -114,11 +115,16 @@ def calibrate_quicksilver(
                  "tau_entropy": tau_h, **r.brief()}
             )  # fmt: skip
     limit = 1.0 + opts.max_ppl_increase
-    ok = [r for r in rows if r["ppl_ratio"] is not None and r["ppl_ratio"] <= limit]
+    ok = [
+        r
+        for r in rows
+        if r["ppl_ratio"] is not None and r["ppl_ratio"] <= limit and r["flops_fraction"] < 1.0
+    ]
     chosen = min(ok, key=lambda r: (r["flops_fraction"], -r["agreement"])) if ok else None
     tau_d0 = float(np.percentile(drift_pool, opts.percentile))
     tau_h0 = float(np.percentile(ent_pool, opts.percentile))
     at_pct = run(tau_d0, tau_h0)
+    passes0, cost0 = quicksilver_passes(val, tau_d0, tau_h0, opts, drift_flops, entropy_flops)
     tau = (chosen["tau_drift"], chosen["tau_entropy"]) if chosen else (0.0, 0.0)
     meta = {
         "tau_drift": tau[0],
@@ -136,6 +142,7 @@ def calibrate_quicksilver(
         "percentile_tau_entropy": tau_h0,
         "at_percentile": asdict(at_pct),
         "at_percentile_free": asdict(run(tau_d0, tau_h0, monotone=False)),
+        "at_percentile_no_floor": asdict(simulate_mask(val_sim, passes0, shape, cost0)),
         "chosen": chosen,
         "grid": rows,
         "drift_by_layer": layer_quantiles(fit.drift, fit.probe_layers, (25, 50, 75)),
