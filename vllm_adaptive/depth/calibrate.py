@@ -8,7 +8,9 @@ budget simulation: the paper's "validation slice").
 collection and halves: QuickSilver's thresholds (`calibrate_quicksilver.py`, appendix B.2)
 and River's tau (`calibrate_river.py`), under the keys ``quicksilver`` / ``river`` of
 ``profile.json`` and ``quicksilver_*`` / ``river_*`` tensors. The EMAD part is always there:
-every signal's runtime needs the profile's readout norms and probe layers.
+every signal's runtime needs the profile's readout norms and probe layers. Both check after
+every block, so the CLI probes every layer with ``--signal``; this function takes
+``collect.probe_every`` as given.
 """
 
 from __future__ import annotations
