@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from vllm_adaptive.precision.gears import GEARBX_GEARS, QUICKSILVER_GEARS, Precision, precision_rank
 from vllm_adaptive.precision.policies.gearbx import GearbxSettings
@@ -162,6 +162,86 @@ class RefreshConfig(_Strict):
     raise_layers: int = Field(ge=1)
 
 
+SignalName = Literal["emad", "quicksilver", "river"]
+
+
+class QuickSilverSignalConfig(_Strict):
+    """QuickSilver dynamic token halting: drift and entropy both under their thresholds
+    (``vllm_adaptive/depth/policies/quicksilver.py``)."""
+
+    tau_drift: float | None = Field(None, gt=0.0)
+    """||h_l - h_{l-1}||_2 threshold; default the profile's (``calibrate --signal quicksilver``)."""
+    tau_entropy: float | None = Field(None, gt=0.0)
+    """Entropy threshold in nats; default the profile's."""
+    entropy: Literal["proxy", "exact"] | None = None
+    """The readout entropy: "proxy" (the profile's EMAD proxy, cheap) or "exact" (the whole LM
+    head per check). Default: the one the profile's thresholds were calibrated for."""
+    min_halting_depth: int = Field(5, ge=0)
+    """l_min: no token halts at a layer l <= l_min (appendix B.5: 5)."""
+    max_halting_layer: int | None = Field(None, ge=1)
+    """Upper end of the halting window (appendix G.2: 24 of 30); null: no upper end."""
+    protect_special_tokens: bool = True
+    """The tokenizer's special tokens are processed fully (never halt)."""
+    protected_token_ids: tuple[int, ...] = Field((), strict=False)
+    """More token ids that never halt (the halting blocklist)."""
+    forced_halt_token_ids: tuple[int, ...] = Field((), strict=False)
+    """Token ids that halt at the first layer of the window, whatever drift and entropy say."""
+
+    @model_validator(mode="after")
+    def _check(self) -> QuickSilverSignalConfig:
+        if self.max_halting_layer is not None and self.max_halting_layer <= self.min_halting_depth:
+            raise ValueError("max_halting_layer must be above min_halting_depth")
+        both = sorted(set(self.protected_token_ids) & set(self.forced_halt_token_ids))
+        if both:
+            raise ValueError(
+                f"token ids {both} are in both protected_token_ids and forced_halt_token_ids"
+            )
+        if any(i < 0 for i in (*self.protected_token_ids, *self.forced_halt_token_ids)):
+            raise ValueError("token ids must be >= 0")
+        return self
+
+
+class RiverSignalConfig(_Strict):
+    """River-LLM state-transition similarity: exit when cos(h_{l-1}, h_l) > tau
+    (``vllm_adaptive/depth/policies/river.py``)."""
+
+    tau: float | None = Field(None, ge=-1.0, le=1.0)
+    """Default: the profile's (``calibrate --signal river``); the paper uses 0.5 to 0.9."""
+    batch_min: bool = False
+    """The paper's eq. 1: all candidate rows exit together when the batch minimum passes."""
+    entry_layer: int = Field(1, ge=1)
+    """L_s: the first layer a token may exit at."""
+
+
+class SignalConfig(_Strict):
+    """Which exit signal decides (``policy``), or several combined (``combine``)."""
+
+    policy: tuple[SignalName, ...] = Field(("emad",), strict=False)
+    """"emad" (default), "quicksilver", "river", or a list of them."""
+    combine: Literal["all", "any"] = "all"
+    """With several signals: "all" must agree, or "any" suffices."""
+    quicksilver: QuickSilverSignalConfig = QuickSilverSignalConfig()
+    river: RiverSignalConfig = RiverSignalConfig()
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _one_name(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> SignalConfig:
+        if not self.policy:
+            raise ValueError('"policy" names no signal')
+        if len(set(self.policy)) != len(self.policy):
+            raise ValueError(f"policy lists a signal twice: {list(self.policy)}")
+        if "combine" in self.model_fields_set and len(self.policy) < 2:
+            raise ValueError('"combine" needs at least two signals in "policy"')
+        for name in ("quicksilver", "river"):
+            if name in self.model_fields_set and name not in self.policy:
+                raise ValueError(f'"{name}" settings given but "policy" does not use {name}')
+        return self
+
+
 class DepthConfig(_Strict):
     """EMAD adaptive depth: calibrated early exit with a KV-consistent monotone schedule."""
 
@@ -175,6 +255,9 @@ class DepthConfig(_Strict):
     refresh: RefreshConfig | None = None
     telemetry_path: str | None = None
     """Append one JSON line per finished request (mean depth, exit histogram, depths)."""
+    signal: SignalConfig = SignalConfig()
+    """The exit signal; default EMAD. ``budget`` turns into EMAD's thresholds; QuickSilver and
+    River use their own (the profile's or the configured ones)."""
 
 
 class AdaptiveConfig(_Strict):

@@ -17,7 +17,13 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=256 * 32, help="teacher-forced")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--keep", type=int, default=64, help="positions kept/window")
-    p.add_argument("--probe-every", type=int, default=2)
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        default=None,
+        help="probe spacing in layers (default 2; 1 with --signal quicksilver/river, which "
+        "check after every block)",
+    )
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--alpha", type=float, default=1.5)
     p.add_argument("--ridge", type=float, default=1.0)
@@ -36,6 +42,36 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--floor-tokens", type=int, default=16, help="as adaptive.depth.floor")
     p.add_argument("--floor-min", type=int, default=None)
+    p.add_argument(
+        "--signal",
+        action="append",
+        choices=("emad", "quicksilver", "river"),
+        default=None,
+        help="exit signal(s) to calibrate into the profile (repeat); EMAD's part is always "
+        "written, the others add their thresholds under their own keys",
+    )
+    p.add_argument("--qs-percentile", type=float, default=25.0, help="B.2 candidate percentile")
+    p.add_argument("--qs-min-halting-depth", type=int, default=5, help="l_min (B.5)")
+    p.add_argument(
+        "--qs-entropy",
+        choices=("proxy", "exact"),
+        default="proxy",
+        help="QuickSilver's entropy: the EMAD proxy (cheap) or the exact readout entropy",
+    )
+    p.add_argument("--qs-max-halting-layer", type=int, default=None, help="window end (G.2)")
+    p.add_argument(
+        "--qs-max-ppl-increase",
+        type=float,
+        default=0.01,
+        help="B.2 grid choice: the cheapest point within this perplexity increase",
+    )
+    p.add_argument(
+        "--river-match-rate",
+        type=float,
+        default=0.98,
+        help="tau: smallest whose greedy match rate with the final layer stays >= this",
+    )
+    p.add_argument("--river-entry-layer", type=int, default=1, help="L_s: first exit layer")
     p.add_argument("--plot", help="PNG of per-layer agreement and thresholds")
     p.add_argument("--json", action="store_true", help="print the full summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -7,12 +7,19 @@ F_t (linear taper from L to `floor_min` over the first `floor_tokens` tokens), s
 a layer the model can read out at (a probe layer or L).
 FLOPs: `DenseShape` per-layer linear + attention at the token's context, LM head always,
 plus the proxy cost at every probe evaluated. Fractions are relative to full depth, no probes.
+
+`simulate_mask` is the same walk for any exit signal, given its per-probe pass mask (and the
+FLOPs each evaluation costs): QuickSilver, River, combinations, and EMAD again for
+comparisons. It follows the runtime's rules exactly where `simulate` approximates one: a row
+below its floor is not a candidate (the runtime neither evaluates nor exits it), where
+`simulate` lets it pass and then raises its depth to the floor. `simulate` is kept as it is
+so existing profiles and figures stay reproducible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -28,6 +35,8 @@ class SimData:
     proxy: np.ndarray  # [P, S, K] proxy entropy at each probe layer
     agree: np.ndarray  # [P, S, K] bool: calibrated argmax at layer == final argmax
     context: np.ndarray  # [S, K] context length of each token
+    nll: np.ndarray | None = None  # [P, S, K] -log p(next token) of the calibrated readout
+    final_nll: np.ndarray | None = None  # [S, K] the same at full depth (nan: no next token)
 
 
 @dataclass
@@ -37,6 +46,11 @@ class SimResult:
     flops_fraction: float
     agreement: float  # greedy token at the exit layer == full model's greedy token
     depth_hist: dict[int, float]
+    ppl_ratio: float | None = None  # teacher-forced perplexity / full depth's (needs nll)
+
+    def brief(self) -> dict[str, float | None]:
+        """The scalar figures (no histogram), for tables in a profile."""
+        return {k: v for k, v in asdict(self).items() if k != "depth_hist"}
 
 
 def _floor(t: int, num_layers: int, floor_tokens: int, floor_min: int | None) -> int:
@@ -96,6 +110,83 @@ def simulate(
         agreement=float(agree.mean()),
         depth_hist={int(v): float(c / depth.size) for v, c in zip(values, counts, strict=True)},
     )
+
+
+def _result(data: SimData, depth_idx, agree, spent, full_cost, nll) -> SimResult:
+    depth_of = np.array(data.probe_layers + [data.num_layers])
+    depth = depth_of[depth_idx]
+    values, counts = np.unique(depth, return_counts=True)
+    ppl = None
+    if nll is not None and data.final_nll is not None:
+        known = ~np.isnan(data.final_nll)
+        if known.any():
+            ppl = float(np.exp(nll[known].mean() - data.final_nll[known].mean()))
+    return SimResult(
+        mean_layers=float(depth.mean()),
+        layers_fraction=float(depth.mean() / data.num_layers),
+        flops_fraction=float(spent.sum() / full_cost.sum()),
+        agreement=float(agree.mean()),
+        depth_hist={int(v): float(c / depth.size) for v, c in zip(values, counts, strict=True)},
+        ppl_ratio=ppl,
+    )
+
+
+def simulate_mask(
+    data: SimData,
+    passes: np.ndarray,
+    shape: DenseShape,
+    probe_flops: np.ndarray | float = 0.0,
+    floor_tokens: int = 0,
+    floor_min: int | None = None,
+    monotone: bool = True,
+    batch_min: bool = False,
+) -> SimResult:
+    """Exit walk for any signal: ``passes[p, s, t]`` says the signal lets token t of stream s
+    stop at probe p; ``probe_flops`` (scalar, [P] or [P, S, K]) is charged for every
+    evaluation. A candidate is a row still running, below its cap (D_{t-1} when
+    ``monotone``, else full depth) and at or above its floor F_t. ``batch_min``: the S streams
+    decode as one batch and at each probe every candidate exits iff all candidates pass
+    (River's eq. 1: min over the batch > tau)."""
+    P, S, K = passes.shape
+    L = data.num_layers
+    depth_of = np.array(data.probe_layers + [L])
+    cost = np.asarray(probe_flops, dtype=np.float64)
+    if cost.ndim == 1:
+        cost = cost[:, None, None]
+    cost = np.broadcast_to(cost, (P, S, K))
+    d_prev = np.full(S, P)
+    depth_idx = np.empty((S, K), dtype=np.int64)
+    spent_probe = np.zeros((S, K))
+    agree = np.empty((S, K), dtype=bool)
+    nll = None if data.nll is None or data.final_nll is None else np.empty((S, K))
+    rows = np.arange(S)
+    for t in range(K):
+        cap = d_prev if monotone else np.full(S, P)
+        cur = cap.copy()
+        done = np.zeros(S, dtype=bool)
+        floor_layer = _floor(t, L, floor_tokens, floor_min)
+        for p in range(P):
+            cand = ~done & (p < cap) & (depth_of[p] >= floor_layer)
+            if not cand.any():
+                continue
+            spent_probe[:, t] += np.where(cand, cost[p, :, t], 0.0)
+            if batch_min:
+                hit = cand if passes[p, cand, t].all() else np.zeros(S, dtype=bool)
+            else:
+                hit = cand & passes[p, :, t]
+            cur[hit] = p
+            done |= hit
+        depth_idx[:, t] = cur
+        full = cur == P
+        idx = np.minimum(cur, P - 1)
+        agree[:, t] = np.where(full, True, data.agree[idx, rows, t])
+        if nll is not None:
+            nll[:, t] = np.where(full, data.final_nll[:, t], data.nll[idx, rows, t])
+        d_prev = cur
+    per_layer = shape.layer_linear_flops() + shape.layer_attention_flops(1.0) * data.context
+    spent = depth_of[depth_idx] * per_layer + spent_probe + shape.lm_head_flops()
+    full_cost = L * per_layer + shape.lm_head_flops()
+    return _result(data, depth_idx, agree, spent, full_cost, nll)
 
 
 @dataclass

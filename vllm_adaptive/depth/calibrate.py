@@ -3,6 +3,14 @@
 Streams (windows) alternate between a fit half (norms, feature maps, targets, margins: the
 paper's calibration set C) and a validation half (reported agreement, proxy errors, and the
 budget simulation: the paper's "validation slice").
+
+``signals`` adds the other exit signals' calibrations to the same profile, on the same
+collection and halves: QuickSilver's thresholds (`calibrate_quicksilver.py`, appendix B.2)
+and River's tau (`calibrate_river.py`), under the keys ``quicksilver`` / ``river`` of
+``profile.json`` and ``quicksilver_*`` / ``river_*`` tensors. The EMAD part is always there:
+every signal's runtime needs the profile's readout norms and probe layers. Both check after
+every block, so the CLI probes every layer with ``--signal``; this function takes
+``collect.probe_every`` as given.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +27,15 @@ import numpy as np
 import torch
 
 from vllm_adaptive.depth.budget import SimData, SimResult, search_q, simulate
+from vllm_adaptive.depth.calibrate_quicksilver import QuickSilverCalibration, calibrate_quicksilver
+from vllm_adaptive.depth.calibrate_river import RiverCalibration, calibrate_river
 from vllm_adaptive.depth.collect import CollectConfig, collect, load_model
 from vllm_adaptive.depth.isotonic import IsotonicMap
 from vllm_adaptive.depth.norms import AffineNorm, fit_layer_norms
 from vllm_adaptive.depth.profile import Profile, save_profile
 from vllm_adaptive.depth.proxies import ErrorStats, LowRankReadout, proxy_entropies
 from vllm_adaptive.depth.readout import chunks, entropy_nats
+from vllm_adaptive.depth.signal_arrays import SignalArrays
 from vllm_adaptive.depth.targets import entropy_targets, margins
 from vllm_adaptive.flops import DenseShape
 
@@ -46,12 +57,19 @@ class CalibrationOptions:
     floor_tokens: int = 16  # the runtime's default floor (adaptive.depth.floor)
     floor_min: int | None = None
     collect: CollectConfig = field(default_factory=CollectConfig)
+    signals: tuple[str, ...] = ()  # also calibrate: "quicksilver", "river"
+    quicksilver: QuickSilverCalibration = field(default_factory=QuickSilverCalibration)
+    river: RiverCalibration = field(default_factory=RiverCalibration)
 
 
-def _layer_pass(hidden, readout, norm, lowrank, temperature, topk, final_argmax):
-    """One probe layer: plain-lens and calibrated agreement, calibrated H, proxy values."""
+SIGNALS = ("emad", "quicksilver", "river")
+
+
+def _layer_pass(hidden, readout, norm, lowrank, temperature, topk, final_argmax, targets):
+    """One probe layer: plain-lens and calibrated agreement, calibrated H, proxy values, and
+    the calibrated readout's -log p(next token) at T=1 (nan where the next token is unknown)."""
     N = hidden.shape[0]
-    out = {k: torch.empty(N) for k in ("exact", "lowrank", "score")}
+    out = {k: torch.empty(N) for k in ("exact", "lowrank", "score", "nll")}
     out["agree_before"] = torch.empty(N, dtype=torch.bool)
     out["agree_after"] = torch.empty(N, dtype=torch.bool)
     for sl in chunks(N, 512):
@@ -63,18 +81,24 @@ def _layer_pass(hidden, readout, norm, lowrank, temperature, topk, final_argmax)
         out["agree_after"][sl] = z.argmax(-1) == final_argmax[sl]
         out["exact"][sl] = entropy_nats(z, temperature)
         out["lowrank"][sl], out["score"][sl] = proxy_entropies(lowrank, n, temperature, topk)
+        t = targets[sl]
+        lp = torch.log_softmax(z, dim=-1).gather(1, t.clamp_min(0)[:, None])[:, 0]
+        out["nll"][sl] = torch.where(t >= 0, -lp, torch.full_like(lp, float("nan")))
     return out
 
 
-def _calibrated_layers(hidden, readout, norms, lowrank, temperature, topk, final_argmax, fit):
+def _calibrated_layers(
+    hidden, readout, norms, lowrank, temperature, topk, final_argmax, fit, targets
+):
     """All probe layers; a layer whose fitted norm agrees less often with the final layer on
     the fit tokens than the plain logit lens falls back to the plain lens (a = g, b = 0)."""
     rows, fallback = [], []
     for p, norm in enumerate(norms):
-        r = _layer_pass(hidden[p], readout, norm, lowrank, temperature, topk, final_argmax)
+        args = (lowrank, temperature, topk, final_argmax, targets)
+        r = _layer_pass(hidden[p], readout, norm, *args)
         if r["agree_after"][fit].float().mean() < r["agree_before"][fit].float().mean():
             norms[p] = AffineNorm(a=readout.norm_weight.clone(), b=torch.zeros(readout.hidden))
-            r = _layer_pass(hidden[p], readout, norms[p], lowrank, temperature, topk, final_argmax)
+            r = _layer_pass(hidden[p], readout, norms[p], *args)
             fallback.append(p)
         rows.append(r)
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}, fallback
@@ -90,6 +114,9 @@ def calibrate(
     from vllm_adaptive.bench.corpus import read_corpus
 
     t0 = time.perf_counter()
+    unknown = set(opts.signals) - set(SIGNALS)
+    if unknown:
+        raise ValueError(f"unknown signals {sorted(unknown)}; known: {SIGNALS}")
 
     def stage(msg: str) -> None:
         if progress:
@@ -119,7 +146,7 @@ def calibrate(
     lowrank = LowRankReadout.fit(readout.unembed, opts.rank)
     lp, fallback = _calibrated_layers(
         col.hidden, readout, norms, lowrank, ccfg.temperature, opts.topk, col.final_argmax,
-        fit_idx,
+        fit_idx, col.targets,
     )  # fmt: skip
     exact = lp["exact"].numpy()
     fi, vi = fit_idx.numpy(), val_idx.numpy()
@@ -143,13 +170,19 @@ def calibrate(
         raise ValueError(f"population must be 'all' or 'agree', not {opts.population!r}")
 
     val_streams = np.arange(1, S, 2)
-    sim = SimData(
-        probe_layers=col.probe_layers,
-        num_layers=col.num_layers,
-        proxy=proxy_vals.reshape(P, S, K)[:, val_streams],
-        agree=agree_after.reshape(P, S, K)[:, val_streams],
-        context=col.context.numpy().reshape(S, K)[val_streams],
-    )
+
+    def sim_data(streams: np.ndarray) -> SimData:
+        return SimData(
+            probe_layers=col.probe_layers,
+            num_layers=col.num_layers,
+            proxy=proxy_vals.reshape(P, S, K)[:, streams],
+            agree=agree_after.reshape(P, S, K)[:, streams],
+            context=col.context.numpy().reshape(S, K)[streams],
+            nll=lp["nll"].numpy().reshape(P, S, K)[:, streams],
+            final_nll=col.final_nll.numpy().reshape(S, K)[streams],
+        )
+
+    sim = sim_data(val_streams)
     pflops = lowrank.flops()
     floor_min = opts.floor_min
     if opts.floor_tokens > 0 and floor_min is None:
@@ -264,6 +297,43 @@ def calibrate(
     for p, m in enumerate(feature_maps):
         tensors[f"feature_knots_x.{p}"] = torch.from_numpy(m.x.copy())
         tensors[f"feature_knots_y.{p}"] = torch.from_numpy(m.y.copy())
+    special = sorted(int(i) for i in getattr(tok, "all_special_ids", []))
+    summary["special_token_ids"] = special
+    summary["signals"] = ["emad", *[s for s in SIGNALS[1:] if s in opts.signals]]
+    if len(summary["signals"]) > 1:
+        fit_streams = np.arange(0, S, 2)
+
+        def arrays(streams: np.ndarray) -> SignalArrays:
+            return SignalArrays.from_collected(
+                col.probe_layers, col.drift.numpy(), col.cosine.numpy(), proxy_vals,
+                col.token_ids.numpy(), S, K, streams,
+            )  # fmt: skip
+
+        fit_arr, val_arr = arrays(fit_streams), arrays(val_streams)
+        floor = (opts.floor_tokens, floor_min)
+        if "quicksilver" in opts.signals:
+            stage("QuickSilver: percentiles on the fit half, threshold grid on the validation half")
+            qs = opts.quicksilver
+            qs = replace(qs, protected_ids=tuple(sorted({*qs.protected_ids, *special})))
+            if qs.entropy not in ("proxy", "exact"):
+                raise ValueError(f"QuickSilver entropy must be proxy or exact, not {qs.entropy!r}")
+            qs_fit, qs_val, eflops = fit_arr, val_arr, pflops
+            if qs.entropy == "exact":
+                qs_fit, qs_val = (
+                    replace(a, entropy=exact.reshape(P, S, K)[:, st])
+                    for a, st in ((fit_arr, fit_streams), (val_arr, val_streams))
+                )
+                eflops = shape.lm_head_flops()
+            meta, arr = calibrate_quicksilver(qs_fit, qs_val, sim, shape, qs, eflops, *floor)
+            summary["quicksilver"] = meta
+            tensors.update({k: torch.from_numpy(v) for k, v in arr.items()})
+        if "river" in opts.signals:
+            stage("River: tau for the target match rate (fit half), figures (validation half)")
+            meta, arr = calibrate_river(
+                fit_arr, sim_data(fit_streams), val_arr, sim, shape, opts.river, *floor
+            )
+            summary["river"] = meta
+            tensors.update({k: torch.from_numpy(v) for k, v in arr.items()})
     summary["seconds"] = time.perf_counter() - t0
     stage("writing the profile")
     save_profile(Profile(meta=summary, tensors=tensors), out_dir, model_dir)
@@ -271,6 +341,8 @@ def calibrate(
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    signals = tuple(s for s in (args.signal or ["emad"]) if s != "emad")
+    probe_every = args.probe_every or (1 if signals else 2)
     opts = CalibrationOptions(
         budget=args.budget,
         budget_kind=args.budget_kind,
@@ -289,8 +361,19 @@ def run_from_args(args: argparse.Namespace) -> int:
             window=args.window,
             tokens=args.tokens,
             keep=args.keep,
-            probe_every=args.probe_every,
+            probe_every=probe_every,
             temperature=args.temperature,
+        ),
+        signals=signals,
+        quicksilver=QuickSilverCalibration(
+            percentile=args.qs_percentile,
+            min_halting_depth=args.qs_min_halting_depth,
+            max_halting_layer=args.qs_max_halting_layer,
+            max_ppl_increase=args.qs_max_ppl_increase,
+            entropy=args.qs_entropy,
+        ),
+        river=RiverCalibration(
+            match_rate=args.river_match_rate, entry_layer=args.river_entry_layer
         ),
     )
     s = calibrate(args.model, args.corpus, args.out, opts, progress=not args.quiet)
@@ -328,6 +411,40 @@ def format_summary(s: dict[str, Any]) -> str:
         f"simulated: mean layers {r['mean_layers']:.2f}/{s['num_layers']} "
         f"(fraction {r['layers_fraction']:.3f}), FLOPs fraction {r['flops_fraction']:.3f}, "
         f"greedy agreement with final layer {r['agreement']:.3f}",
-        f"took {s['seconds']:.1f} s",
     ]
+    if "quicksilver" in s:
+        q = s["quicksilver"]
+        c = q["chosen"]
+        at = q["at_percentile"]
+        lines.append(
+            f"QuickSilver ({q['percentile']:g}th percentiles, window l > "
+            f"{q['min_halting_depth']}): tau_drift={q['percentile_tau_drift']:.3f} "
+            f"tau_entropy={q['percentile_tau_entropy']:.3f} nats -> mean layers "
+            f"{at['mean_layers']:.2f}, agreement {at['agreement']:.3f}, ppl x{at['ppl_ratio']:.3g}"
+        )
+        lines.append(
+            f"  grid choice (ppl within +{q['max_ppl_increase']:g}): "
+            + (
+                f"tau_drift={c['tau_drift']:.3f} tau_entropy={c['tau_entropy']:.3f}, mean layers "
+                f"{c['mean_layers']:.2f}, FLOPs {c['flops_fraction']:.3f}, agreement "
+                f"{c['agreement']:.3f}"
+                if c
+                else "none within it: halting off (thresholds 0)"
+            )
+        )
+    if "river" in s:
+        r = s["river"]
+        for name, key in (
+            (f"calibrated tau={r['tau']:.4f}", "at_tau"),
+            ("paper tau=0.5", "at_paper_tau"),
+        ):
+            a, b = r[key], r[f"{key}_batch_min"]
+            lines.append(
+                f"River {name}: mean layers {a['mean_layers']:.2f}, match rate "
+                f"{a['agreement']:.3f}, ppl x{a['ppl_ratio']:.3g}; batch-min: mean layers "
+                f"{b['mean_layers']:.2f}, match rate {b['agreement']:.3f}"
+            )
+        if not r["met"]:
+            lines.append(f"  match rate {r['match_rate_target']} not reached: tau 1.0 (no exits)")
+    lines.append(f"took {s['seconds']:.1f} s")
     return "\n".join(lines)

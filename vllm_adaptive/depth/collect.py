@@ -4,6 +4,11 @@ Calibration needs, per token, the intermediate hidden states and what the full m
 have said. Memory is bounded by keeping only the last `keep` positions of each window: they
 stay contiguous, so the exit simulator can treat each window as one decode stream (with the
 earlier positions acting as its prompt).
+
+The exit signals that compare consecutive layers (QuickSilver's drift, River's cosine) get
+their per-token scalars at *every* layer 1..L-1 here, from the full hidden-state stack of the
+forward pass, so they cost [L-1, N] floats whatever the probe spacing; only the probe layers'
+hidden states are stored.
 """
 
 from __future__ import annotations
@@ -42,6 +47,11 @@ class Collected:
     final_entropy: torch.Tensor  # [N] nats at `temperature`
     final_argmax: torch.Tensor  # [N] int64
     context: torch.Tensor  # [N] context length (position + 1) of each token
+    drift: torch.Tensor  # [L-1, N] float32: ||h_l - h_{l-1}||_2, row l-1 is layer l (h_0: embeds)
+    cosine: torch.Tensor  # [L-1, N] float32: cos(h_{l-1}, h_l), same indexing
+    token_ids: torch.Tensor  # [N] int64: the input token at each position
+    targets: torch.Tensor  # [N] int64: the next token of the text (-1 past the end of the text)
+    final_nll: torch.Tensor  # [N] float32: -log p_final(target) at T=1 (nan where target is -1)
     num_streams: int
     stream_len: int
     temperature: float
@@ -68,8 +78,11 @@ def load_model(model_dir: str | Path):
     return model, tok, readout
 
 
-def token_windows_from_texts(tok, texts: list[str], window: int, count: int) -> list[list[int]]:
-    """`count` windows of `window` tokens spread evenly over the concatenated texts."""
+def token_windows_with_next(
+    tok, texts: list[str], window: int, count: int
+) -> tuple[list[list[int]], list[int]]:
+    """`count` windows of `window` tokens spread evenly over the concatenated texts, and the
+    token that follows each window (-1 at the end of the text)."""
     ids: list[int] = []
     for text in texts:
         ids.extend(tok(text, add_special_tokens=False)["input_ids"])
@@ -78,7 +91,27 @@ def token_windows_from_texts(tok, texts: list[str], window: int, count: int) -> 
         raise ValueError(f"calibration text has {len(ids)} tokens: shorter than one window")
     count = min(count, available)
     stride = available // count
-    return [ids[i * stride * window : (i * stride + 1) * window] for i in range(count)]
+    starts = [i * stride * window for i in range(count)]
+    nexts = [ids[s + window] if s + window < len(ids) else -1 for s in starts]
+    return [ids[s : s + window] for s in starts], nexts
+
+
+def token_windows_from_texts(tok, texts: list[str], window: int, count: int) -> list[list[int]]:
+    """`count` windows of `window` tokens spread evenly over the concatenated texts."""
+    return token_windows_with_next(tok, texts, window, count)[0]
+
+
+def layer_transitions(hidden_states, num_layers: int, keep: int) -> tuple[torch.Tensor, ...]:
+    """Drift ||h_l - h_{l-1}|| and cos(h_{l-1}, h_l) for l = 1..L-1 over the last `keep`
+    positions of one sequence; [L-1, keep] float32 each. (HF's hidden_states[L] is after the
+    final norm, so layer L has no raw stream to compare.)"""
+    drift, cos = [], []
+    for layer in range(1, num_layers):
+        a = hidden_states[layer - 1][0, -keep:].float()
+        b = hidden_states[layer][0, -keep:].float()
+        drift.append((b - a).norm(dim=-1))
+        cos.append(torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12))
+    return torch.stack(drift), torch.stack(cos)
 
 
 @torch.no_grad()
@@ -87,10 +120,15 @@ def collect(model, tok, texts: list[str], cfg: CollectConfig, progress: bool = T
     probes = cfg.probe_layers or default_probe_layers(num_layers, cfg.probe_every)
     if not probes or min(probes) < 1 or max(probes) >= num_layers:
         raise ValueError(f"probe layers must lie in 1..{num_layers - 1}: {probes}")
-    windows = token_windows_from_texts(tok, texts, cfg.window, cfg.num_windows)
+    windows, nexts = token_windows_with_next(tok, texts, cfg.window, cfg.num_windows)
     keep = min(cfg.keep, cfg.window)
-    hid, fin, ent, arg = [], [], [], []
-    for w in tqdm(windows, desc="teacher forcing", unit="window", disable=not progress):
+    hid, fin, ent, arg, drift, cos, ids, tgt, nll = [], [], [], [], [], [], [], [], []
+    for w, nxt in tqdm(
+        list(zip(windows, nexts, strict=True)),
+        desc="teacher forcing",
+        unit="window",
+        disable=not progress,
+    ):
         out = model(torch.tensor([w]), output_hidden_states=True)
         hs = out.hidden_states  # [0]=embeddings, [l]=block l, [L]=after final norm
         hid.append(torch.stack([hs[p][0, -keep:] for p in probes]).half())
@@ -98,6 +136,14 @@ def collect(model, tok, texts: list[str], cfg: CollectConfig, progress: bool = T
         logits = out.logits[0, -keep:].float()
         ent.append(entropy_nats(logits, cfg.temperature))
         arg.append(logits.argmax(-1))
+        d, c = layer_transitions(hs, num_layers, keep)
+        drift.append(d)
+        cos.append(c)
+        ids.append(torch.tensor(w[-keep:], dtype=torch.long))
+        t = torch.tensor([*w[len(w) - keep + 1 :], nxt], dtype=torch.long)
+        tgt.append(t)
+        lp = torch.log_softmax(logits, dim=-1).gather(1, t.clamp_min(0)[:, None])[:, 0]
+        nll.append(torch.where(t >= 0, -lp, torch.full_like(lp, float("nan"))))
     ctx = torch.arange(cfg.window - keep + 1, cfg.window + 1).repeat(len(windows))
     return Collected(
         probe_layers=list(probes),
@@ -107,6 +153,11 @@ def collect(model, tok, texts: list[str], cfg: CollectConfig, progress: bool = T
         final_entropy=torch.cat(ent),
         final_argmax=torch.cat(arg),
         context=ctx,
+        drift=torch.cat(drift, dim=1),
+        cosine=torch.cat(cos, dim=1),
+        token_ids=torch.cat(ids),
+        targets=torch.cat(tgt),
+        final_nll=torch.cat(nll),
         num_streams=len(windows),
         stream_len=keep,
         temperature=cfg.temperature,

@@ -1,5 +1,7 @@
 """A calibration profile as the runtime uses it: probe layers, readout norms, proxy factors,
-and the q-table that turns any budget into per-layer exit thresholds."""
+and the q-table that turns any budget into per-layer exit thresholds; plus, when it was
+calibrated with ``--signal quicksilver`` / ``--signal river``, those signals' thresholds (None
+otherwise: older profiles load unchanged)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ class ExitProfile:
     table_thresholds: np.ndarray  # [Q, P], rows by increasing q (more exits)
     table_cost: np.ndarray  # [Q] simulated cost fraction of each row (budget_kind)
     path: str = ""
+    special_token_ids: tuple[int, ...] = ()  # the tokenizer's, at calibration
+    quicksilver_thresholds: tuple[float, float] | None = None  # (drift, entropy in nats)
+    quicksilver_entropy: str = "proxy"  # which entropy the thresholds were calibrated for
+    river_tau: float | None = None
+    river_table_tau: np.ndarray | None = None  # [R] candidate taus, ascending
+    river_table_cost: np.ndarray | None = None  # [R] simulated cost fraction (budget_kind)
 
     @classmethod
     def load(cls, profile_dir: str | Path, model_dir: str | Path) -> ExitProfile:
@@ -80,6 +88,22 @@ class ExitProfile:
             table_thresholds=t["table_thresholds"].double().numpy(),
             table_cost=t[f"table_{kind}_fraction"].double().numpy(),
             path=str(profile_dir),
+            special_token_ids=tuple(int(i) for i in m.get("special_token_ids", [])),
+            quicksilver_thresholds=(
+                tuple(float(x) for x in t["quicksilver_thresholds"].tolist())
+                if "quicksilver_thresholds" in t
+                else None
+            ),
+            quicksilver_entropy=str(m.get("quicksilver", {}).get("entropy", "proxy")),
+            river_tau=float(t["river_tau"][0]) if "river_tau" in t else None,
+            river_table_tau=(
+                t["river_table_tau"].double().numpy() if "river_table_tau" in t else None
+            ),
+            river_table_cost=(
+                t[f"river_table_{kind}_fraction"].double().numpy()
+                if f"river_table_{kind}_fraction" in t
+                else None
+            ),
         )
 
     @property
@@ -98,3 +122,14 @@ class ExitProfile:
         fits = np.nonzero(self.table_cost <= budget + 1e-9)[0]
         row = int(fits[0]) if len(fits) else int(np.argmin(self.table_cost))
         return self.table_thresholds[row]
+
+    def river_tau_for(self, budget: float) -> float:
+        """River's tau whose simulated cost fits ``budget``: the largest (most conservative)
+        candidate within it; 1.0 (never exits) for budget 1.0; the cheapest if none fits."""
+        if self.river_table_tau is None or self.river_table_cost is None:
+            raise ProfileError(f"profile {self.path} has no River table; calibrate --signal river")
+        if budget >= 1.0:
+            return 1.0
+        fits = np.nonzero(self.river_table_cost <= budget + 1e-9)[0]
+        row = int(fits[-1]) if len(fits) else int(np.argmin(self.river_table_cost))
+        return float(self.river_table_tau[row])

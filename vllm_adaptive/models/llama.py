@@ -122,6 +122,11 @@ def load_depth_runtime(model: AdaptiveLlamaModel, vllm_config: VllmConfig, depth
     from vllm_adaptive.depth.peeling import SUPPORTED_BACKENDS
     from vllm_adaptive.depth.profile import ProfileError
 
+    if depth.signal.policy != ("emad",):  # until runtime.py calls build_exit_signal
+        raise AdaptiveConfigError(
+            f"adaptive.depth.signal.policy: {list(depth.signal.policy)} is calibrated and "
+            "configurable but the depth runtime runs only EMAD so far (docs/exit-signals.md)"
+        )
     try:
         profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)
     except ProfileError as e:

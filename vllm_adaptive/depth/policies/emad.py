@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.proxies import feature_score
 
 
@@ -25,6 +26,10 @@ def _interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor
 class EmadExitSignal:
     """``proxy="lowrank"``: entropy of softmax(U V^T n / T); ``proxy="feature"``: logsumexp
     and top-k probabilities of the same proxy logits through the per-layer isotonic map."""
+
+    per_row = True
+    needs_prev_stream = False
+    needs_token_ids = False
 
     def __init__(
         self,
@@ -64,3 +69,9 @@ class EmadExitSignal:
     def exits(self, normed: torch.Tensor, thresholds: torch.Tensor, probe: int) -> torch.Tensor:
         """Bool per row: proxy entropy <= that row's threshold (tau_l - m_l)."""
         return self.proxy_entropy(normed, probe) <= thresholds
+
+    def exit_mask(self, batch: ProbeBatch) -> torch.Tensor:
+        """`ExitSignal` form: needs ``batch.readout`` and ``batch.thresholds`` (per row)."""
+        if batch.readout is None or batch.thresholds is None:
+            raise ValueError("the EMAD signal needs the probe's readout and per-row thresholds")
+        return self.exits(batch.readout(batch.stream), batch.thresholds, batch.probe)
