@@ -86,6 +86,7 @@ def make_case(
     slot written through all layers: the mask is all-visible), or ``none_written`` (every
     context slot at depth 0, this step's slots too)."""
     g = torch.Generator().manual_seed(seed)
+    junk = torch.Generator().manual_seed(seed + 7919)  # garbage: the real data never depends on it
     bs, kvh, hs = block_size, kv_heads, head_size
     seq = [c + q for c, q in zip(ctx_lens, query_lens, strict=True)]
     need = [-(-s // bs) for s in seq]
@@ -106,8 +107,8 @@ def make_case(
         v_log.fill_(float("inf"))
         v_log[::2] = float("nan")
     else:
-        k_log.copy_(torch.randn(k_log.shape, generator=g) * 30)
-        v_log.copy_(torch.randn(v_log.shape, generator=g) * 30)
+        k_log.copy_(torch.randn(k_log.shape, generator=junk) * 30)
+        v_log.copy_(torch.randn(v_log.shape, generator=junk) * 30)
 
     nslots = num_blocks * bs
     if record_mode == "full":
@@ -134,8 +135,12 @@ def make_case(
                 k_log[blocks[j], :, off[j]] = kt[j]
                 v_log[blocks[j], :, off[j]] = vt[j]
             elif stale is not None:
-                k_log[blocks[j], :, off[j]] = (torch.randn(kvh, hs, generator=g) * stale).to(dtype)
-                v_log[blocks[j], :, off[j]] = (torch.randn(kvh, hs, generator=g) * stale).to(dtype)
+                k_log[blocks[j], :, off[j]] = (torch.randn(kvh, hs, generator=junk) * stale).to(
+                    dtype
+                )
+                v_log[blocks[j], :, off[j]] = (torch.randn(kvh, hs, generator=junk) * stale).to(
+                    dtype
+                )
         qpos = torch.arange(ctx, s)
         causal = p[None, :] <= qpos[:, None]
         key_ok = written if mask_step_tokens else (written | (p >= ctx))
