@@ -1,0 +1,290 @@
+"""Check and time paged attention with the per-slot depth mask at decode shapes.
+
+Decode: one query token per request, ``--batches`` requests of ``--contexts`` cached tokens each
+(the query's own token included), on a paged cache whose blocks are shuffled. Shapes
+``HxKVxD`` (query heads, KV heads, head size): the default model (9x3x64) and a 7B (32x8x128).
+
+On a CUDA GPU (``--device cuda``, the default when one is present; vLLM's GPU layout
+``[num_blocks, block_size, kv_heads, head]``, block size 16, bf16):
+
+- ``triton``: ``masked_decode_attention`` (``vllm_adaptive/kernels/triton_masked_attention.py``),
+  checked first against the torch implementation (max error relative to max |reference|), with
+  NaN in every unused slot and the output pre-filled with NaN (every element must be written);
+- ``torch``: the torch implementation (``masked_paged_attention``) on the GPU;
+- ``sdpa``: ``F.scaled_dot_product_attention`` on dense, contiguous K/V (no paging, no mask):
+  a lower bound for any paged kernel;
+- ``flash``: vLLM's ``flash_attn_with_kvcache`` on the same paged cache without the mask (the
+  stock backend's kernel), when ``vllm.vllm_flash_attn`` imports.
+
+Timings with ``triton.testing.do_bench`` (median ms). On CPU (``--device cpu``; vLLM's CPU_ATTN
+layout, block size 32): the torch implementation against vLLM's ``cpu_attention_with_kv_cache``
+with the mask all-visible (checked against each other first; the unused slots hold finite
+garbage since vLLM's op reads the tail of the last block), plus the torch implementation with
+``--masked`` of the cached slots masked; median of ``--repeats`` wall-clock runs, one thread
+unless ``--threads``. Cells with ``batch * context > --max-tokens`` are skipped.
+
+    .venv/bin/python tools/bench_masked_attention.py --out docs/data/masked-attention-h100.json
+    .venv/bin/python tools/bench_masked_attention.py --device cpu --contexts 512,2048,8192 \\
+        --out docs/data/masked-attention-cpu.json
+
+Writes JSON (``--out``: device, versions, every cell) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from vllm_adaptive.kernels.masked_paged_attention import (  # noqa: E402
+    masked_paged_attention,
+    split_cpu_kv_cache,
+    stock_cpu_attention,
+    stock_cpu_scheduler_metadata,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+NUM_LAYERS = 30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--shapes", default="9x3x64,32x8x128")
+    p.add_argument("--contexts", default="512,1024,2048,4096,8192")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 / fp32 (cpu)")
+    p.add_argument("--block-size", type=int, default=None, help="default: 16 (cuda) / 32 (cpu)")
+    p.add_argument("--masked", type=float, default=0.5, help="fraction of cached slots masked")
+    p.add_argument("--layer", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=1 << 16)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def make_paged(batch, ctx, kvh, hs, bs, dtype, device, layout, masked, layer, seed=0):
+    """A decode batch on a shuffled paged cache: every request ``ctx`` tokens (own included).
+    Unused slots: NaN on CUDA (must never be read), finite garbage on CPU (vLLM's op reads
+    them). The record: every slot all layers, except a random ``masked`` share of the cached
+    ones at ``layer`` (the all-visible record is returned too)."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = -(-ctx // bs)
+    nb = batch * nblk + 1
+    table = torch.randperm(nb, generator=g)[: batch * nblk].view(batch, nblk).int()
+    if layout == "cpu":
+        kv_cache = torch.randn(nb, kvh, bs, 2 * hs, generator=g).to(dtype)
+        key_cache, value_cache = split_cpu_kv_cache(kv_cache)
+    else:
+        key_cache = torch.randn(nb, bs, kvh, hs, generator=g).to(dtype)
+        value_cache = torch.randn(nb, bs, kvh, hs, generator=g).to(dtype)
+        tail = ctx % bs
+        if tail:  # poison the unused tail of every request's last block
+            last = table[:, -1].long()
+            key_cache[last, tail:] = float("nan")
+            value_cache[last, tail:] = float("nan")
+    full = torch.full((nb * bs,), NUM_LAYERS, dtype=torch.int16)
+    rec = full.clone()
+    pos = torch.arange(ctx - 1)  # cached positions (the own token is always visible)
+    slots = (table[:, pos // bs].long() * bs + pos % bs).flatten()
+    pick = torch.rand(slots.numel(), generator=g) < masked
+    rec[slots[pick]] = layer  # depth == layer: layer not written
+    meta = {
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32),
+        "seq_lens": torch.full((batch,), ctx, dtype=torch.int32),
+        "block_table": table,
+    }
+    dev = {k: v.to(device) for k, v in meta.items()}
+    return (key_cache.to(device), value_cache.to(device), dev, full.to(device), rec.to(device))
+
+
+def _cpu_time(fn, repeats):
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def cpu_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
+    kc, vc, meta, full, rec = make_paged(
+        batch, ctx, kvh, hs, bs, dtype, "cpu", "cpu", args.masked, args.layer
+    )
+    q = torch.randn(batch, nh, hs).to(dtype)
+    a = (meta["query_start_loc"], meta["seq_lens"], meta["block_table"], hs**-0.5)
+    # computed once per step by vLLM's metadata builder, so outside the timing
+    sched = stock_cpu_scheduler_metadata(q, kc, a[0], a[1])
+
+    def ours(record):
+        return masked_paged_attention(q, kc, vc, *a, record, args.layer)
+
+    def stock():
+        return stock_cpu_attention(q, kc, vc, *a, scheduler_metadata=sched)
+
+    err = rel(ours(full), stock())
+    t_ours = _cpu_time(lambda: ours(full), args.repeats)
+    t_stock = _cpu_time(stock, args.repeats)
+    return {
+        "shape": f"{nh}x{kvh}x{hs}",
+        "batch": batch,
+        "context": ctx,
+        "err_vs_vllm": err,
+        "ok": err < TOL[dtype],
+        "ms_torch_all_visible": t_ours,
+        "ms_torch_masked": _cpu_time(lambda: ours(rec), args.repeats),
+        "ms_vllm_cpu_attn": t_stock,
+        "ratio_torch_vs_vllm": t_ours / t_stock,
+    }
+
+
+def cuda_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
+    import torch.nn.functional as F
+    import triton.testing
+
+    from vllm_adaptive.kernels import triton_masked_attention as tm
+
+    kc, vc, meta, full, rec = make_paged(
+        batch, ctx, kvh, hs, bs, dtype, "cuda", "nhd", args.masked, args.layer
+    )
+    q = torch.randn(batch, nh, hs, device="cuda").to(dtype)
+    a = (meta["query_start_loc"], meta["seq_lens"], meta["block_table"], hs**-0.5)
+    rows = torch.arange(batch, device="cuda", dtype=torch.int32)
+
+    def tri(record, out=None):
+        return tm.masked_decode_attention(
+            q, kc, vc, *a, record, args.layer, rows, layout="nhd", out=out, max_seq_len=ctx
+        )
+
+    def torch_path():
+        return masked_paged_attention(q, kc, vc, *a, rec, args.layer, layout="nhd")
+
+    out = tri(rec, torch.full_like(q, float("nan")))
+    written = bool(torch.isfinite(out).all())
+    err = rel(out, torch_path())
+    cell = {
+        "shape": f"{nh}x{kvh}x{hs}",
+        "batch": batch,
+        "context": ctx,
+        "err_vs_torch": err,
+        "all_written_no_poison": written,
+        "ok": written and err < TOL[dtype],
+        "splits": tm.default_splits(batch, kvh, -(-ctx // bs), q.device),
+        "visible_fraction": float((rec[meta["block_table"].long()] > args.layer).float().mean()),
+        "ms_triton_masked": triton.testing.do_bench(lambda: tri(rec)),
+        "ms_triton_all_visible": triton.testing.do_bench(lambda: tri(full)),
+        "ms_torch_masked": triton.testing.do_bench(torch_path),
+    }
+    qd = q.view(batch, nh, 1, hs).contiguous()
+    kd = torch.randn(batch, kvh, ctx, hs, device="cuda", dtype=dtype)
+    vd = torch.randn(batch, kvh, ctx, hs, device="cuda", dtype=dtype)
+    cell["ms_sdpa_dense"] = triton.testing.do_bench(
+        lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+    )
+    try:
+        from vllm.vllm_flash_attn import flash_attn_with_kvcache
+
+        q4 = q.view(batch, 1, nh, hs)
+        cell["ms_flash_paged_no_mask"] = triton.testing.do_bench(
+            lambda: flash_attn_with_kvcache(
+                q4, kc, vc, cache_seqlens=a[1], block_table=a[2], softmax_scale=a[3], causal=True
+            )
+        )
+    except Exception as e:  # not a vLLM CUDA build, or another flash-attn API
+        cell["flash_error"] = repr(e)[:200]
+    cell["ratio_triton_vs_sdpa"] = cell["ms_triton_masked"] / cell["ms_sdpa_dense"]
+    kv_bytes = 2 * batch * ctx * kvh * hs * q.element_size()  # K and V, every slot
+    cell["gbps_triton_all_visible"] = kv_bytes / cell["ms_triton_all_visible"] / 1e6
+    return cell
+
+
+def run(cell_fn, args, shapes, contexts, batches, dtype, bs) -> list[dict]:
+    cells = []
+    for nh, kvh, hs in shapes:
+        for batch in batches:
+            for ctx in contexts:
+                if batch * ctx > args.max_tokens:
+                    continue
+                cell = cell_fn(args, nh, kvh, hs, batch, ctx, dtype, bs)
+                cells.append(cell)
+                print(json.dumps(cell), flush=True)
+    return cells
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")]
+    bs = args.block_size or (16 if device == "cuda" else 32)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    t0 = time.time()
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
+    cell_fn = cuda_cell if device == "cuda" else cpu_cell
+    cells = run(cell_fn, args, shapes, contexts, batches, dtype, bs)
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "block_size": bs,
+        "threads": args.threads if device == "cpu" else None,
+        "masked_fraction": args.masked,
+        "layer": args.layer,
+        "seconds": round(time.time() - t0, 1),
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except Exception:
+        pass
+    if device == "cuda":
+        import triton
+
+        info["triton"] = triton.__version__
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"info": info, "cells": cells}, indent=1))
+    keys = [k for k in cells[0] if k.startswith("ms_") or k.startswith("err")] if cells else []
+    print("\n| shape | batch | context | " + " | ".join(keys) + " |")
+    print("|" + " --- |" * (3 + len(keys)))
+    for c in cells:
+        vals = " | ".join(f"{c[k]:.3g}" if k in c else "-" for k in keys)
+        print(f"| {c['shape']} | {c['batch']} | {c['context']} | {vals} |")
+    bad = [c for c in cells if not c["ok"]]
+    if bad:
+        print(f"{len(bad)} cells failed the check", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
