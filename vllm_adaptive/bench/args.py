@@ -38,6 +38,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", required=True, metavar="OUT.json", help="where to write the results")
     p.add_argument("--plot", metavar="OUT.png", help="quality loss vs speed-up plot")
     p.add_argument(
+        "--table-md",
+        metavar="OUT.md",
+        help="markdown table, one row per config: tokens/s ratio per batch size, mean layers "
+        "run, perplexity change, greedy agreement, peak memory (also: python -m "
+        "vllm_adaptive.bench.report OUT.json)",
+    )
+    p.add_argument(
         "--gear-trace",
         metavar="OUT.png",
         help="entropy and gear over the tokens of one teacher-forced stream per corpus, per "

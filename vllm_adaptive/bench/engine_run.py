@@ -151,7 +151,32 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     if spec["additional_config"]:
         out["gears"] = collect_gear_telemetry(llm)
         out["depth"] = collect_depth_telemetry(llm)
+    out["memory"] = collect_memory(llm)
     return out, llm
+
+
+def collect_memory(llm: Any) -> dict[str, Any]:
+    """Peak and current resident memory of the process(es) holding the model and KV cache,
+    read after every measurement of this engine (VmHWM is the peak over the process's life).
+
+    vLLM runs the engine core in a child process unless VLLM_ENABLE_V1_MULTIPROCESSING=0
+    (the harness leaves the default), so the reading is taken inside each worker through
+    `LLM.apply_model`; this process's own figures are kept apart as `frontend`."""
+    from vllm_adaptive.bench.memory import engine_memory, process_memory, read_proc_status
+
+    frontend = {"pid": os.getpid(), **read_proc_status()}
+    try:
+        workers = llm.apply_model(process_memory)
+    except Exception as e:  # noqa: BLE001 - a missing reading must not lose the measurements
+        _log(f"  warning: worker memory not readable ({type(e).__name__}: {e})")
+        return {"error": f"{type(e).__name__}: {e}", "frontend": frontend}
+    mem = engine_memory(workers, frontend)
+    where = "engine core in a child process" if mem["engine_core_in_child"] else "in process"
+    _log(
+        f"  memory: peak {mem['peak_mb']:.0f} MB, now {mem['rss_after_mb']:.0f} MB ({where}), "
+        f"parameters {mem['param_bytes'] / 2**20:.0f} MB"
+    )
+    return mem
 
 
 def collect_depth_telemetry(llm: Any) -> dict[str, Any] | None:

@@ -3,7 +3,8 @@
 The baseline is stock vLLM on the same checkpoint with the plugin not loaded
 (`VLLM_PLUGINS=""`), always measured in the same run. Each config runs in an
 engine of its own (one process each, see engine_run.py) on the same prompts
-and held-out streams. See `write_results` for the JSON layout.
+and held-out streams. See `run_bench` for the JSON layout
+(per engine: `memory`, see `engine_run.collect_memory`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_adaptive.bench.corpus import CorpusFile, read_corpus, token_windows
+from vllm_adaptive.bench.report import config_label
 from vllm_adaptive.bench.teacher_forcing import ForcedStream, greedy_agreement, perplexity
 from vllm_adaptive.config import additional_config_for, load_config_arg
 from vllm_adaptive.flops import DenseShape
@@ -127,11 +129,18 @@ def _streams(result: dict[str, Any]) -> list[ForcedStream]:
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Median of each timing over rounds; every round's values are kept too.
-    Teacher-forced results are deterministic and come from round 1."""
+    Teacher-forced results are deterministic and come from round 1, and so does the memory
+    record (round 1 is the only one that runs every workload); later rounds' peaks are kept
+    in ``memory.peak_mb_rounds``."""
     merged = dict(rounds[0])
     for key in ("decode_tokens_per_s", "ttft_s", "itl_s"):
         merged[key] = {b: statistics.median(r[key][b] for r in rounds) for b in rounds[0][key]}
     merged["decode_tokens_per_s_rounds"] = [r["decode_tokens_per_s"] for r in rounds]
+    if isinstance(merged.get("memory"), dict):
+        merged["memory"] = {
+            **merged["memory"],
+            "peak_mb_rounds": [(r.get("memory") or {}).get("peak_mb") for r in rounds],
+        }
     return merged
 
 
@@ -155,6 +164,7 @@ def summarize(
         "ppl_prefill": perplexity(prefill),
         "flops_per_token": flops_per_token,
         "engine_start_s": result["engine_start_s"],
+        "memory": result.get("memory"),
     }
 
 
@@ -226,7 +236,12 @@ def depth_summary(
 ) -> dict[str, Any] | None:
     """Executed depth of the teacher-forced and throughput tokens, their FLOPs per token by
     the EMAD FLOP model (layers run, attention at the context, proxies evaluated, LM head),
-    and the share of forward time spent deciding (plan, proxies, bookkeeping)."""
+    and the share of forward time spent deciding (plan, proxies, bookkeeping).
+
+    ``mean_depth`` counts backbone blocks. What a token does past its exit depends on the KV
+    strategy and is added to its FLOPs: "river" runs every remaining block in the Exit River
+    (int4 weights, the same FLOPs: it saves bytes, not FLOPs), "propagate" runs the K/V
+    projections of the remaining blocks from the exit state; "monotone" and "mask" nothing."""
     tel = result.get("depth")
     if not tel:
         return None
@@ -235,6 +250,9 @@ def depth_summary(
     per_layer = shape.layer_linear_flops() + shape.layer_attention_flops(context)
     proxy = 2.0 * (shape.hidden + shape.vocab) * eng["proxy_rank"]
     probes_per_token = eng["probe_evals"] / eng["decode_tokens"] if eng["decode_tokens"] else 0.0
+    strategy = eng.get("kv_strategy", "monotone")
+    kv_proj = 2.0 * shape.hidden * 2 * shape.num_kv_heads * shape.head_dim
+    after_exit = {"river": per_layer, "propagate": kv_proj}.get(strategy, 0.0)
 
     def stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         depths = [d for r in records for d in r["depths"][1:]]  # decode tokens only
@@ -244,7 +262,12 @@ def depth_summary(
         for d in depths:
             hist[str(d)] = hist.get(str(d), 0) + 1
         mean = sum(depths) / len(depths)
-        flops = mean * per_layer + probes_per_token * proxy + shape.lm_head_flops()
+        flops = (
+            mean * per_layer
+            + (L - mean) * after_exit
+            + probes_per_token * proxy
+            + shape.lm_head_flops()
+        )
         return {
             "tokens": len(depths),
             "mean_depth": mean,
@@ -255,10 +278,20 @@ def depth_summary(
 
     tf = [reqs[f"tf{i}"] for i in range(len(workload["streams"])) if f"tf{i}" in reqs]
     tp = [r for tag, r in reqs.items() if tag.startswith("tp-")]
+    decode = eng["decode_tokens"]
     return {
         "budget": eng["budget"],
         "budget_kind": eng["budget_kind"],
         "probe_layers": eng["probe_layers"],
+        "num_layers": L,
+        "kv_strategy": eng.get("kv_strategy", "monotone"),
+        "signal": eng.get("signal", ["emad"]),
+        # per decode token of the whole engine (throughput and teacher-forced runs together)
+        "river_layers_per_decode_token": (
+            eng.get("river_token_layers", 0) / decode if decode else None
+        ),
+        "propagated_kv_per_decode_token": eng.get("propagated_kv", 0) / decode if decode else None,
+        "masked_steps": eng.get("masked_steps", 0),
         "teacher_forced": stats(tf),
         "throughput_runs": stats(tp),
         "probe_evals_per_decode_token": probes_per_token,
@@ -284,7 +317,60 @@ def compare(
         "ppl_rel_change": run["ppl"] / baseline["ppl"] - 1.0,
         "greedy_agreement": greedy_agreement(_streams(run_raw), _streams(base_raw)),
         "flops_ratio": run["flops_per_token"] / baseline["flops_per_token"],
+        "peak_memory_ratio": _memory_ratio(run, baseline, "peak_mb"),
+        "param_bytes_ratio": _memory_ratio(run, baseline, "param_bytes"),
     }
+
+
+def _memory_ratio(run: dict[str, Any], baseline: dict[str, Any], key: str) -> float | None:
+    a, b = (run.get("memory") or {}).get(key), (baseline.get("memory") or {}).get(key)
+    return a / b if a is not None and b else None
+
+
+def summarize_all(
+    configs: list[dict[str, Any]],
+    base_raw: dict[str, Any],
+    config_raws: list[dict[str, Any]],
+    workload: dict[str, Any],
+    shape: DenseShape,
+    context: float,
+    corpora: list[CorpusFile],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The result's ``baseline`` and ``runs`` from the engines' merged outputs (stock first)."""
+    stock_flops = shape.flops_per_token(context)
+    baseline = summarize(base_raw, workload, stock_flops, len(corpora))
+    _log(
+        f"stock: ppl {baseline['ppl']:.4f}, decode tok/s "
+        + ", ".join(f"b{b}={v:.1f}" for b, v in baseline["decode_tokens_per_s"].items())
+        + (
+            f", peak memory {baseline['memory']['peak_mb']:.0f} MB"
+            if (baseline.get("memory") or {}).get("peak_mb") is not None
+            else ""
+        )
+    )
+    runs = []
+    for c, raw in zip(configs, config_raws, strict=True):
+        # Later mechanisms report the depths/precisions they ran; with none, full cost.
+        summary = summarize(raw, workload, stock_flops, len(corpora))
+        depth = depth_summary(raw, workload, shape, context)
+        if depth is not None and depth["teacher_forced"] is not None:
+            summary["flops_per_token"] = depth["teacher_forced"]["flops_per_token"]
+        entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
+        if depth is not None:
+            entry["depth"] = depth
+        gears = gear_summary(raw, workload, shape, corpora)
+        if gears is not None:
+            entry["gears"] = gears
+        label = config_label(c, depth["engine"] if depth is not None else None)
+        peak = entry["peak_memory_ratio"]
+        _log(
+            f"{label}: ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), agreement "
+            f"{entry['greedy_agreement']:.4f}, speedup "
+            + ", ".join(f"b{b}={s:.3f}" for b, s in entry["speedup"].items())
+            + (f", peak memory x{peak:.2f}" if peak is not None else "")
+        )
+        runs.append(entry)
+    return baseline, runs
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -294,7 +380,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     shape = DenseShape.from_hf_config(cfg)
     context = args.prompt_tokens + args.max_tokens / 2
-    stock_flops = shape.flops_per_token(context)
     max_len = max(args.ppl_prefix + args.ppl_tokens, args.prompt_tokens + args.max_tokens) + 16
 
     def spec(additional_config: dict[str, Any], teacher_forcing: bool) -> dict[str, Any]:
@@ -336,30 +421,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             raw_rounds[i].append(run_engine(name, spec(additional, r == 0), env))
     base_raw, *config_raws = [merge_rounds(rs) for rs in raw_rounds]
 
-    baseline = summarize(base_raw, workload, stock_flops, len(corpora))
-    _log(
-        f"stock: ppl {baseline['ppl']:.4f}, decode tok/s "
-        + ", ".join(f"b{b}={v:.1f}" for b, v in baseline["decode_tokens_per_s"].items())
+    baseline, runs = summarize_all(
+        configs, base_raw, config_raws, workload, shape, context, corpora
     )
-    runs = []
-    for c, raw in zip(configs, config_raws, strict=True):
-        # Later mechanisms report the depths/precisions they ran; with none, full cost.
-        summary = summarize(raw, workload, stock_flops, len(corpora))
-        depth = depth_summary(raw, workload, shape, context)
-        if depth is not None and depth["teacher_forced"] is not None:
-            summary["flops_per_token"] = depth["teacher_forced"]["flops_per_token"]
-        entry = {"config": c, **summary, **compare(summary, baseline, raw, base_raw)}
-        if depth is not None:
-            entry["depth"] = depth
-        gears = gear_summary(raw, workload, shape, corpora)
-        if gears is not None:
-            entry["gears"] = gears
-        _log(
-            f"{json.dumps(c)}: ppl {entry['ppl']:.4f} ({entry['ppl_rel_change']:+.2%}), agreement "
-            f"{entry['greedy_agreement']:.4f}, speedup "
-            + ", ".join(f"b{b}={s:.3f}" for b, s in entry["speedup"].items())
-        )
-        runs.append(entry)
 
     return {
         "model": str(args.model),
@@ -392,6 +456,12 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         plot_pareto(results, args.plot)
         _log(f"wrote {args.plot}")
+    if getattr(args, "table_md", None):
+        from vllm_adaptive.bench.report import depth_table_markdown
+
+        Path(args.table_md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table_md).write_text(depth_table_markdown(results))
+        _log(f"wrote {args.table_md}")
     if args.gear_trace:
         from vllm_adaptive.bench.plot import plot_gear_traces
 

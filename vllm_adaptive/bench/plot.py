@@ -1,63 +1,113 @@
-"""Quality loss against speed-up, one point per run and batch size."""
+"""Quality loss against speed-up (one point per run), gear traces, the calibration figure."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from vllm_adaptive.bench.report import batch_sizes, run_group, run_labels
 
-def _label(config: dict[str, Any]) -> str:
-    depth = config.get("depth")
-    if isinstance(depth, dict):
-        profile = str(depth.get("profile", "")).rstrip("/").rsplit("/", 1)[-1]
-        return f"depth budget {depth.get('budget', 'profile')} ({profile})"
-    text = json.dumps(config, separators=(",", ":"))
-    return text if len(text) <= 40 else text[:37] + "..."
+_STRATEGY_COLORS = {
+    "monotone": "tab:blue",
+    "mask": "tab:orange",
+    "propagate": "tab:green",
+    "river": "tab:red",
+    "no depth": "tab:gray",
+}
+_SIGNAL_MARKERS = {"emad": "o", "quicksilver": "s", "river": "D"}
+_OTHER_MARKERS = "^v<>P*Xhp"
+
+
+def _style(groups: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Colour per KV strategy, marker per signal (fixed for the known ones)."""
+    colors: dict[str, Any] = {}
+    extra_colors = iter(["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"] * 4)
+    markers: dict[str, str] = dict(_SIGNAL_MARKERS)
+    extra_markers = iter(_OTHER_MARKERS * 4)
+    for strategy, signal in groups:
+        if strategy not in colors:
+            colors[strategy] = _STRATEGY_COLORS.get(strategy) or next(extra_colors)
+        if signal not in markers:
+            markers[signal] = next(extra_markers)
+    return colors, markers
 
 
 def plot_pareto(results: dict[str, Any], path: str) -> None:
+    """Perplexity change against decode speed ratio, one point per run: at the smallest batch
+    size, and beside it at the largest when several were run. Colour: KV strategy; marker:
+    exit signal; runs are numbered on the points and in the legend (outside the axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = "osD^v<>P*X"
-    batch_sizes = list(results["baseline"]["decode_tokens_per_s"])
-    ax.scatter(
-        [1.0] * len(batch_sizes),
-        [0.0] * len(batch_sizes),
-        color="black",
-        marker="x",
-        s=60,
-        label="stock vLLM",
-        zorder=3,
+    runs = results["runs"]
+    sizes = batch_sizes(results)
+    by_int = sorted(sizes, key=int)
+    panels = [by_int[0]] if len(by_int) == 1 else [by_int[0], by_int[-1]]
+    labels = run_labels(results)
+    groups = [run_group(r) for r in runs]
+    colors, markers = _style(groups)
+
+    legend_rows = max(len(runs) + 1, 1)
+    height = max(4.5, 1.2 + 0.17 * legend_rows)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(5.2 * len(panels) + 0.4, height), sharey=True, squeeze=False
     )
-    for i, run in enumerate(results["runs"]):
-        xs = [run["speedup"][b] for b in batch_sizes]
-        ys = [100.0 * run["ppl_rel_change"]] * len(xs)
-        ax.plot(
-            xs,
-            ys,
-            marker=markers[i % len(markers)],
-            linestyle=":",
-            label=f"{_label(run['config'])} (agree {run['greedy_agreement']:.3f})",
+    axes = axes[0]
+    ys = [100.0 * r["ppl_rel_change"] for r in runs]
+    worst = max((abs(y) for y in ys), default=0.0)
+    for ax, b in zip(axes, panels, strict=True):
+        ax.scatter([1.0], [0.0], color="black", marker="x", s=60, zorder=3)
+        for i, (run, (strategy, signal), y) in enumerate(zip(runs, groups, ys, strict=True)):
+            x = run["speedup"][b]
+            ax.scatter(
+                [x],
+                [y],
+                color=colors[strategy],
+                marker=markers[signal],
+                s=42,
+                zorder=3,
+                edgecolors="black",
+                linewidths=0.4,
+            )
+            ax.annotate(str(i + 1), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.axvline(1.0, color="grey", linewidth=0.5)
+        ax.axhline(0.0, color="grey", linewidth=0.5)
+        ax.set_xlabel(f"decode tok/s ratio vs stock vLLM, batch {b}")
+        ax.grid(alpha=0.25)
+        if worst > 1000.0:  # a destroyed model beside near-lossless runs: log scale past 1%
+            ax.set_yscale("symlog", linthresh=1.0)
+            ax.set_ylim(bottom=min(-1.0, 1.5 * min(ys)), top=worst * 10)
+    axes[0].set_ylabel("perplexity change vs stock (%), teacher-forced decode")
+    fig.suptitle(f"vllm-adaptive bench: {results['model'].rstrip('/').split('/')[-1]}")
+
+    handles = [Line2D([], [], color="black", marker="x", linestyle="", label="stock vLLM")]
+    for i, (run, label, (strategy, signal)) in enumerate(zip(runs, labels, groups, strict=True)):
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=colors[strategy],
+                marker=markers[signal],
+                linestyle="",
+                markeredgecolor="black",
+                markeredgewidth=0.4,
+                label=f"{i + 1}: {label} (agree {run['greedy_agreement']:.3f})",
+            )
         )
-        for x, y, b in zip(xs, ys, batch_sizes, strict=True):
-            ax.annotate(f"b{b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.axvline(1.0, color="grey", linewidth=0.5)
-    ax.axhline(0.0, color="grey", linewidth=0.5)
-    worst = max((abs(100.0 * r["ppl_rel_change"]) for r in results["runs"]), default=0.0)
-    if worst > 1000.0:  # a destroyed model beside near-lossless runs: log scale past 1%
-        ax.set_yscale("symlog", linthresh=1.0)
-        lowest = min(100.0 * r["ppl_rel_change"] for r in results["runs"])
-        ax.set_ylim(bottom=min(-1.0, 1.5 * lowest), top=worst * 10)
-    ax.set_xlabel("decode tokens/s relative to stock vLLM (same run)")
-    ax.set_ylabel("perplexity change vs stock (%), teacher-forced decode")
-    ax.set_title(f"vllm-adaptive bench: {results['model'].rstrip('/').split('/')[-1]}")
-    ax.legend(fontsize=7, loc="best")
+    axes[-1].legend(
+        handles=handles,
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+        frameon=False,
+        title="colour: KV strategy, marker: signal",
+        title_fontsize=7,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
