@@ -242,6 +242,26 @@ class SignalConfig(_Strict):
         return self
 
 
+KvStrategy = Literal["monotone", "mask", "propagate", "river"]
+
+
+class ExitRiverConfig(_Strict):
+    """River-LLM's Exit River (``vllm_adaptive/depth/exit_river.py``): a token that exits keeps
+    going through 4-bit weight-only copies of the remaining layers, which write its K/V into the
+    same cache slots the backbone would have written."""
+
+    entry_layer: int = Field(1, ge=1)
+    """L_s: the river holds copies of layers L_s+1 .. L (a token may exit after L_s blocks)."""
+    group_size: int = Field(32, ge=8)
+    """Quantization group along the input dimension."""
+    symmetric: bool = False
+    """False: asymmetric min/max (the Q4_1 grid the default model's weights sit on, so nearly
+    lossless there); True: symmetric absmax, which is not on that grid."""
+    offload_backbone: bool = False
+    """River-LLM's backbone offloading: the backbone's linear weights of the river's layers
+    leave memory (a memory-mapped file on CPU, host memory on a GPU) until a token needs them."""
+
+
 class DepthConfig(_Strict):
     """EMAD adaptive depth: calibrated early exit with a KV-consistent monotone schedule."""
 
@@ -258,6 +278,27 @@ class DepthConfig(_Strict):
     signal: SignalConfig = SignalConfig()
     """The exit signal; default EMAD. ``budget`` turns into EMAD's thresholds; QuickSilver and
     River use their own (the profile's or the configured ones)."""
+    kv_strategy: KvStrategy = "monotone"
+    """What the layers a token skipped hold (docs/kv-strategies.md): "monotone" (depth never
+    rises, nothing is missing), "mask" (skipped layers write nothing and attention leaves those
+    slots out), "propagate" (K/V from the exit state, CALM) or "river" (River-LLM's Exit River)."""
+    river: ExitRiverConfig | None = None
+    """Settings of the "river" KV strategy (default ``{}``)."""
+
+    @model_validator(mode="after")
+    def _check_strategy(self) -> DepthConfig:
+        if self.refresh is not None and self.kv_strategy != "monotone":
+            raise ValueError(
+                f'"refresh" raises a monotone depth cap; kv_strategy "{self.kv_strategy}" has no '
+                "cap to raise (remove refresh or use kv_strategy monotone)"
+            )
+        if self.river is not None and self.kv_strategy != "river":
+            raise ValueError('"river" settings given but kv_strategy is not "river"')
+        return self
+
+    @property
+    def river_settings(self) -> ExitRiverConfig:
+        return self.river if self.river is not None else ExitRiverConfig()
 
 
 class AdaptiveConfig(_Strict):

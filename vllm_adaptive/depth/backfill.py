@@ -1,4 +1,4 @@
-"""K/V backfill for windowed refresh, by state propagation (CALM).
+"""K/V by state propagation (CALM): for the `propagate` KV strategy and windowed refresh.
 
 When a refresh lets a token run deeper than earlier tokens did, the earlier tokens have no
 K/V at the extra layers. Each of them stored its exit state (the residual stream where it
@@ -30,6 +30,39 @@ def _kv_cache(attn) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def propagate_kv(
+    layers,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    have: torch.Tensor,
+    target_depth: int,
+) -> int:
+    """Write K/V of layers ``have[i] .. target_depth-1`` for token i from its exit state
+    ``states[i]`` (the residual stream it stopped with) into its cache slot ``slots[i]``.
+
+    The `propagate` KV strategy calls it right after tokens exit; windowed refresh calls it
+    (through `backfill`) for earlier tokens. Returns the number of (token, layer) pairs."""
+    written = 0
+    if have.numel() == 0:
+        return 0
+    for layer_index in range(int(have.min()), target_depth):
+        sel = have <= layer_index
+        layer = layers[layer_index]
+        attn_mod = layer.self_attn
+        x = layer.input_layernorm(states[sel])
+        qkv, _ = attn_mod.qkv_proj(x)
+        q, k, v = qkv.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
+        _, k = attn_mod.rotary_emb(positions[sel], q, k)
+        attn = attn_mod.attn
+        k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
+        v = v.reshape(-1, attn.num_kv_heads, attn.head_size)
+        attn.impl.do_kv_cache_update(attn, k, v, _kv_cache(attn), slots[sel])
+        written += int(sel.sum())
+    return written
+
+
+@torch.inference_mode()
 def backfill(
     layers,
     record: SlotDepthRecord,
@@ -48,19 +81,6 @@ def backfill(
         return 0
     slots, positions, have = slots[need], positions[need], have[need]
     states = store.state[slots.long()]
-    written = 0
-    for layer_index in range(int(have.min()), target_depth):
-        sel = have <= layer_index
-        layer = layers[layer_index]
-        attn_mod = layer.self_attn
-        x = layer.input_layernorm(states[sel])
-        qkv, _ = attn_mod.qkv_proj(x)
-        q, k, v = qkv.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
-        _, k = attn_mod.rotary_emb(positions[sel], q, k)
-        attn = attn_mod.attn
-        k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
-        v = v.reshape(-1, attn.num_kv_heads, attn.head_size)
-        attn.impl.do_kv_cache_update(attn, k, v, _kv_cache(attn), slots[sel])
-        written += int(sel.sum())
+    written = propagate_kv(layers, states, slots, positions, have, target_depth)
     record.write(slots, target_depth)
     return written

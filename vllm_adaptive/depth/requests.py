@@ -64,6 +64,18 @@ class DepthRequests:
         o = parse_request_overrides(params.extra_args if params is not None else None)
         self.seen += 1
         off = o.mode == "off"
+        if o.depth_budget is not None and not self.runtime.uses_budget:
+            # validate_params sees no engine config, so this cannot be a 400: honour the one
+            # budget every signal understands (1.0: no exits) and say what is ignored.
+            off = off or o.depth_budget >= 1.0
+            if o.depth_budget < 1.0:
+                self.runtime.warn_once(
+                    "budget-signal",
+                    "vllm-adaptive depth: adaptive_depth_budget=%s ignored: budgets set EMAD "
+                    "thresholds and this engine's exit signal is %s (only 1.0, no exits, applies)",
+                    o.depth_budget,
+                    "+".join(self.runtime.signal_names),
+                )
         return DepthRequest(
             tag=o.request_tag or f"req{self.seen}",
             prompt_len=len(prompt_ids or ()),

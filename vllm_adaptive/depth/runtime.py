@@ -25,15 +25,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_adaptive.depth.backfill import ExitStateStore, backfill
+from vllm_adaptive.depth.backfill import ExitStateStore, backfill, propagate_kv
 from vllm_adaptive.depth.exit_profile import ExitProfile
+from vllm_adaptive.depth.exit_river import ExitRiver
+from vllm_adaptive.depth.mask_context import StepMask, publish_mask
 from vllm_adaptive.depth.peeling import (
     CpuSchedulerArgs,
     step_metadata,
     subset_cpu_metadata,
     token_index,
 )
-from vllm_adaptive.depth.policies.emad import EmadExitSignal
+from vllm_adaptive.depth.policies.build import build_exit_signal
+from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.requests import DepthRequests
 from vllm_adaptive.depth.schedule import DepthSchedule
@@ -50,6 +53,7 @@ class StepPlan:
     decode: np.ndarray  # [R] bool
     samples: np.ndarray  # [R] bool: the row's last token is sampled (decode, last prefill chunk)
     states: list | None
+    all_visible_below: int  # mask strategy: layers below see every cached slot
 
 
 @dataclass
@@ -62,6 +66,9 @@ class EngineCounters:
     capped_prefills: int = 0
     prefills_with_context: int = 0  # prefill rows attending to earlier slots (chunks, hits)
     backfilled_kv: int = 0
+    propagated_kv: int = 0  # (token, layer) K/V written from exit states (propagate)
+    river_token_layers: int = 0  # decode token-layers run in the Exit River
+    masked_steps: int = 0  # steps where some cached slot was masked at some layer
     peels: int = 0
     probe_evals: int = 0  # (token, probe layer) proxy evaluations
     decision_seconds: float = 0.0
@@ -70,7 +77,14 @@ class EngineCounters:
 
 
 class DepthRuntime:
-    def __init__(self, model: Any, config: Any, profile: ExitProfile, vllm_config: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: Any,
+        profile: ExitProfile,
+        vllm_config: Any,
+        unembed: torch.Tensor | None = None,
+    ) -> None:
         self.config = config
         self.profile = profile
         self.num_layers = profile.num_layers
@@ -85,14 +99,12 @@ class DepthRuntime:
         )
         self.budget = config.budget if config.budget is not None else profile.budget
         self.requests = DepthRequests(self, config.telemetry_path)
-        self.signal = EmadExitSignal(
-            profile.lowrank_u,
-            profile.lowrank_v,
-            profile.temperature,
-            profile.proxy,
-            profile.feature_knots,
-            profile.topk,
-        )
+        self.strategy = config.kv_strategy
+        self.signal_names = tuple(config.signal.policy)
+        self.signal = build_exit_signal(config.signal, profile, unembed=unembed)
+        self.uses_budget = "emad" in self.signal_names
+        self.emad_only = self.signal_names == ("emad",)
+        self.river: ExitRiver | None = None
         self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
         self.proxy_floor = torch.from_numpy(profile.proxy_floor).float()
         self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
@@ -114,10 +126,25 @@ class DepthRuntime:
             self._thresholds_cache[b] = self.profile.thresholds_for(b)
         return self._thresholds_cache[b]
 
-    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+    def warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(msg, *args)
+
+    # -- the Exit River (kv_strategy "river") ----------------------------------------------------
+    def build_river(self, model: Any) -> None:
+        """Quantize the river's layers; called once the float weights are loaded."""
+        r = self.config.river_settings
+        self.river = ExitRiver(model.layers, r.entry_layer, r.group_size, r.symmetric)
+        if r.offload_backbone:
+            self.river.map_backbone(model.layers)
+        logger.info(
+            "vllm-adaptive river: %s copies of blocks %d-%d, %.1f MB",
+            self.river.quantizer,
+            r.entry_layer + 1,
+            self.num_layers,
+            self.river.resident_bytes() / 1e6,
+        )
 
     # -- state next to the KV cache ------------------------------------------------------------
     def _ensure_record(self, model: Any) -> bool:
@@ -135,12 +162,17 @@ class DepthRuntime:
             self.store = ExitStateStore(num_blocks * block_size, hidden, self.dtype, device)
         self.sched_args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
         self.norm_a, self.norm_b = self.norm_a.to(device), self.norm_b.to(device)
-        self.signal.to(device)
+        if hasattr(self.signal, "to"):
+            self.signal.to(device)
+        if self.river is not None and self.config.river_settings.offload_backbone:
+            self.river.offload_backbone(model.layers)
         logger.info(
-            "vllm-adaptive depth: record for %d slots (block size %d), budget %.3g (%s), "
-            "probes %s, floor %s, refresh %s",
+            "vllm-adaptive depth: record for %d slots (block size %d), signal %s, kv_strategy "
+            "%s, budget %.3g (%s), probes %s, floor %s, refresh %s",
             self.record.num_slots,
             block_size,
+            "+".join(self.signal_names),
+            self.strategy,
             self.budget,
             self.profile.budget_kind,
             self.profile.probe_layers,
@@ -167,8 +199,9 @@ class DepthRuntime:
         decode = np.zeros(num_reqs, dtype=bool)
         samples = np.zeros(num_reqs, dtype=bool)
         thresholds = np.full((num_reqs, P), -np.inf)
+        visible = L  # layers below this see every cached slot (mask strategy)
         if states is None:
-            self._warn_once("unmapped", "vllm-adaptive depth: step not mapped; no exits")
+            self.warn_once("unmapped", "vllm-adaptive depth: step not mapped; no exits")
         for r in range(num_reqs):
             state = states[r] if states is not None else None
             block_row = md.block_table[r]
@@ -177,14 +210,17 @@ class DepthRuntime:
             if state is not None and counts[r] == 1 and p >= state.prompt_len:
                 decode[r] = True
                 t = p - state.prompt_len + 1
-                prev = int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
-                if prev <= 0:
-                    self._warn_once("prev0", "vllm-adaptive depth: unrecorded previous slot")
-                    prev = L
-                c = self.schedule.cap(t, prev)
-                if c > prev:
-                    c = self._refresh(model, block_row, p, c)
-                cap[r] = c
+                if self.strategy == "monotone":
+                    prev = int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
+                    if prev <= 0:
+                        self.warn_once("prev0", "vllm-adaptive depth: unrecorded previous slot")
+                        prev = L
+                    c = self.schedule.cap(t, prev)
+                    if c > prev:
+                        c = self._refresh(model, block_row, p, c)
+                    cap[r] = c
+                if self.strategy == "mask":
+                    visible = min(visible, record.context_min(block_row, p) or L)
                 floor[r] = self.schedule.floor(t)
                 if not state.off:
                     may_exit[r] = True
@@ -194,9 +230,12 @@ class DepthRuntime:
                 low = record.context_min(block_row, context)
                 if context > 0:
                     self.counters.prefills_with_context += 1
-                if low is not None and low < L:
+                if self.strategy == "mask":
+                    # masked slots are left out by attention, nothing to cap
+                    visible = min(visible, low if low is not None else L)
+                elif low is not None and low < L:
                     if low <= 0:
-                        self._warn_once("ctx0", "vllm-adaptive depth: unrecorded context slot")
+                        self.warn_once("ctx0", "vllm-adaptive depth: unrecorded context slot")
                     else:
                         cap[r] = low
                         self.counters.capped_prefills += 1
@@ -209,6 +248,7 @@ class DepthRuntime:
             decode=decode,
             samples=samples,
             states=states,
+            all_visible_below=visible,
         )
 
     def _refresh(self, model: Any, block_row: torch.Tensor, p: int, cap: int) -> int:
@@ -231,7 +271,11 @@ class DepthRuntime:
 
     @torch.inference_mode()
     def forward(
-        self, model: Any, positions: torch.Tensor, hidden: torch.Tensor
+        self,
+        model: Any,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The decoder stack with exits; None when this step is not one it can plan (dummy
         and profiling runs), and the caller runs every layer."""
@@ -245,19 +289,56 @@ class DepthRuntime:
         md = md_dict[self.layer_names[0]]
         if md is None or not hasattr(md, "block_table") or not self._ensure_record(model):
             return None
-        if int(md.num_actual_tokens) != positions.shape[0]:
+        n = int(md.num_actual_tokens)
+        if n != positions.shape[0]:
+            # padded step: the caller runs every layer for every token; say so in the record
+            self.record.write(md.slot_mapping[:n], self.num_layers)
             return None
         t0 = time.perf_counter()
         plan = self._plan(model, md, positions)
         t_plan = time.perf_counter() - t0
-        with step_metadata(self.layer_names) as ctx:
-            out, depth = self._peel(model, ctx, md, plan, positions, hidden)
+        if self.strategy == "river":
+            out, depth = self._river_forward(model, md, plan, positions, hidden, input_ids)
+        else:
+            mask = None
+            if self.strategy == "mask" and plan.all_visible_below < self.num_layers:
+                mask = StepMask(self.record.depth, plan.all_visible_below)
+                self.counters.masked_steps += 1
+            with step_metadata(self.layer_names) as ctx, publish_mask(mask):
+                out, depth = self._peel(model, ctx, md, plan, positions, hidden, input_ids)
         self._commit(md, plan, depth, positions.shape[0])
         self.counters.decision_seconds += t_plan
         self.counters.forward_seconds += time.perf_counter() - t0
         return out
 
-    def _peel(self, model, ctx, md, plan: StepPlan, positions, hidden):
+    def _candidates(self, plan: StepPlan, rows: torch.Tensor, count: int, p: int) -> torch.Tensor:
+        """Rows (of the active ``rows``) that may exit after ``count`` blocks."""
+        cand = plan.may_exit[rows] & (plan.floor[rows] <= count) & (plan.cap[rows] > count)
+        if self.emad_only:
+            cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
+        return cand
+
+    def _decide(self, p, count, j, rows, plan, h, res, prev, tok, first, input_ids):
+        """Exit mask for candidate rows ``j`` (their tokens at ``first``) after ``count`` blocks."""
+        self.counters.probe_evals += int(j.numel())
+        ids = None
+        if input_ids is not None and self.signal.needs_token_ids:
+            ids = input_ids[tok[first]]
+        batch = ProbeBatch(
+            layer=count,
+            probe=p,
+            stream=h[first] + res[first],
+            prev_stream=None if prev is None else prev[first],
+            token_ids=ids,
+            readout=lambda x, p=p: self._readout(p, x),
+            thresholds=plan.thresholds[rows[j], p].to(h.device),
+        )
+        return self.signal.exit_mask(batch).cpu()
+
+    def _needs_prev(self, count: int) -> bool:
+        return self.signal.needs_prev_stream and (count in self.probe_index)
+
+    def _peel(self, model, ctx, md, plan: StepPlan, positions, hidden, input_ids=None):
         L = self.num_layers
         c = self.counters
         num_reqs = plan.cap.shape[0]
@@ -267,24 +348,24 @@ class DepthRuntime:
         cur_qsl = md.query_start_loc.cpu().long()
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
+        any_exit = bool(plan.may_exit.any())
         for i, layer in enumerate(model.layers):
-            h, res = layer(pos, h, res)
             count = i + 1
+            prev = None
+            if any_exit and self._needs_prev(count):
+                prev = h if res is None else h + res  # the block's input stream
+            h, res = layer(pos, h, res)
             p = self.probe_index.get(count)
             if p is None:
                 continue
             t0 = time.perf_counter()
-            cap = plan.cap[rows]
-            stop = cap == count
-            cand = plan.may_exit[rows] & (plan.floor[rows] <= count) & (cap > count)
-            cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
+            stop = plan.cap[rows] == count
+            cand = self._candidates(plan, rows, count, p)
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
-                c.probe_evals += int(j.numel())
                 first = cur_qsl[j].to(h.device)  # decode rows: one token each
-                normed = self._readout(p, h[first] + res[first])
-                passed = self.signal.exits(normed, plan.thresholds[rows[j], p].to(h.device), p)
-                stop[j] |= passed.cpu()
+                passed = self._decide(p, count, j, rows, plan, h, res, prev, tok, first, input_ids)
+                stop[j] |= passed
             c.decision_seconds += time.perf_counter() - t0
             if not bool(stop.any()):
                 continue
@@ -296,6 +377,11 @@ class DepthRuntime:
             depth[rows[js]] = count
             if self.store is not None:
                 self.store.write(md.slot_mapping[tok[ts]], stream)
+            if self.strategy == "propagate" and count < L:
+                have = torch.full((ts.numel(),), count, dtype=torch.long, device=h.device)
+                c.propagated_kv += propagate_kv(
+                    model.layers, stream, md.slot_mapping[tok[ts]], pos[ts], have, L
+                )
             keep = torch.nonzero(~stop).squeeze(1)
             if keep.numel() == 0:
                 rows = keep
@@ -315,14 +401,69 @@ class DepthRuntime:
             depth[rows] = L
         return out, depth
 
+    def _river_forward(self, model, md, plan: StepPlan, positions, hidden, input_ids=None):
+        """Every row runs every layer; a decode row that exits switches to the Exit River's int4
+        layers for the rest, writing its K/V into its own slots. ``depth``: backbone blocks."""
+        river = self.river
+        assert river is not None, "build_river runs at weight loading"
+        L = self.num_layers
+        c = self.counters
+        num_reqs = plan.cap.shape[0]
+        depth = torch.full((num_reqs,), L, dtype=torch.long)
+        qsl = md.query_start_loc.cpu().long()
+        first = qsl[:-1].to(hidden.device)  # a decode row's (only) token
+        tok = torch.arange(hidden.shape[0], device=hidden.device)
+        in_river = torch.zeros(num_reqs, dtype=torch.bool)
+        h, res = hidden, None
+        any_exit = bool(plan.may_exit.any())
+        all_rows = torch.arange(num_reqs)
+        for i, layer in enumerate(model.layers):
+            count = i + 1
+            prev = None
+            if any_exit and self._needs_prev(count):
+                prev = h if res is None else h + res
+            if bool(in_river.any()):
+                rt = first[in_river.to(first.device)]
+                if bool(in_river.all()) and int(qsl[-1]) == num_reqs:
+                    h, res = river.forward_layer(layer, positions, h, res, rt, None)
+                else:
+                    bb = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+                    bb[rt] = False
+                    h, res = river.forward_layer(
+                        layer, positions, h, res, rt, torch.nonzero(bb).squeeze(1)
+                    )
+                c.river_token_layers += int(rt.numel())
+            else:
+                h, res = layer(positions, h, res)
+            p = self.probe_index.get(count)
+            if p is None or count < river.entry_layer or count >= L:
+                continue
+            t0 = time.perf_counter()
+            cand = self._candidates(plan, all_rows, count, p) & ~in_river
+            if bool(cand.any()):
+                j = torch.nonzero(cand).squeeze(1)
+                passed = self._decide(
+                    p, count, j, all_rows, plan, h, res, prev, tok, first[j], input_ids
+                )
+                newly = j[passed]
+                in_river[newly] = True
+                depth[newly] = count
+            c.decision_seconds += time.perf_counter() - t0
+        out, _ = model.norm(h, res)
+        return out, depth
+
     # -- 3. commit -------------------------------------------------------------------------------
     def _commit(self, md: Any, plan: StepPlan, depth: torch.Tensor, num_tokens: int) -> None:
         record = self.record
         assert record is not None
         qsl = md.query_start_loc.cpu()
         counts = (qsl[1:] - qsl[:-1]).long()
-        per_token = torch.repeat_interleave(depth, counts)[:num_tokens]
-        record.write(md.slot_mapping[:num_tokens], per_token.to(md.slot_mapping.device))
+        if self.strategy in ("propagate", "river"):
+            # every layer has K/V for every token (propagated, or written by the river)
+            record.write(md.slot_mapping[:num_tokens], self.num_layers)
+        else:
+            per_token = torch.repeat_interleave(depth, counts)[:num_tokens]
+            record.write(md.slot_mapping[:num_tokens], per_token.to(md.slot_mapping.device))
         c = self.counters
         c.steps += 1
         dec = torch.from_numpy(plan.decode)
@@ -339,6 +480,11 @@ class DepthRuntime:
         c = self.counters
         return {
             "mechanism": "depth",
+            "signal": list(self.signal_names),
+            "kv_strategy": self.strategy,
+            "propagated_kv": c.propagated_kv,
+            "river_token_layers": c.river_token_layers,
+            "masked_steps": c.masked_steps,
             "num_layers": self.num_layers,
             "budget": self.budget,
             "budget_kind": self.profile.budget_kind,

@@ -87,7 +87,7 @@ class AdaptiveLlamaModel(LlamaModel):
 
         runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
         if runtime is not None and residual is None and not extra_layer_kwargs:
-            out = runtime.forward(self, positions, hidden)
+            out = runtime.forward(self, positions, hidden, input_ids)
             if out is not None:
                 return out
         hidden, residual = self.run_layers(positions, hidden, residual, **extra_layer_kwargs)
@@ -116,17 +116,17 @@ class EagerAdaptiveLlamaModel(AdaptiveLlamaModel):
     it runs eagerly whatever the compilation config (the rest of vLLM is unchanged)."""
 
 
-def load_depth_runtime(model: AdaptiveLlamaModel, vllm_config: VllmConfig, depth) -> DepthRuntime:
+def load_depth_runtime(
+    model: AdaptiveLlamaModel,
+    vllm_config: VllmConfig,
+    depth,
+    unembed: torch.Tensor | None = None,
+) -> DepthRuntime:
     """Load and check the profile, then build the runtime; errors name the config key."""
     from vllm_adaptive.depth.exit_profile import ExitProfile
     from vllm_adaptive.depth.peeling import SUPPORTED_BACKENDS
     from vllm_adaptive.depth.profile import ProfileError
 
-    if depth.signal.policy != ("emad",):  # until runtime.py calls build_exit_signal
-        raise AdaptiveConfigError(
-            f"adaptive.depth.signal.policy: {list(depth.signal.policy)} is calibrated and "
-            "configurable but the depth runtime runs only EMAD so far (docs/exit-signals.md)"
-        )
     try:
         profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)
     except ProfileError as e:
@@ -140,13 +140,32 @@ def load_depth_runtime(model: AdaptiveLlamaModel, vllm_config: VllmConfig, depth
         raise AdaptiveConfigError(
             f"adaptive.depth.floor.min_layers: {depth.floor.min_layers} > {num_layers} layers"
         )
-    backend = model.layers[0].self_attn.attn.attn_backend.get_name()
+    attn = model.layers[0].self_attn.attn
+    backend = attn.attn_backend.get_name()
     if backend not in SUPPORTED_BACKENDS:
         raise AdaptiveConfigError(
             f"adaptive.depth: depth-peeling supports the attention backends {SUPPORTED_BACKENDS}, "
             f"this engine uses {backend}"
         )
-    return DepthRuntime(model, depth, profile, vllm_config)
+    if depth.kv_strategy == "mask":
+        from vllm_adaptive.attention.masked_backend import masked_backend_active
+
+        if not masked_backend_active(attn):
+            raise AdaptiveConfigError(
+                'adaptive.depth.kv_strategy: "mask" needs the plugin\'s masked attention '
+                f"backend, but the attention layers were built with {type(attn.impl).__name__}"
+            )
+    if depth.kv_strategy == "river":
+        entry = depth.river_settings.entry_layer
+        if entry >= num_layers:
+            raise AdaptiveConfigError(
+                f"adaptive.depth.river.entry_layer: {entry} leaves no layer for the river "
+                f"(the model has {num_layers})"
+            )
+    try:
+        return DepthRuntime(model, depth, profile, vllm_config, unembed=unembed)
+    except (ProfileError, ValueError) as e:
+        raise AdaptiveConfigError(f"adaptive.depth.signal: {e}") from None
 
 
 class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
@@ -162,6 +181,10 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
     ) -> None:
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
+        if adaptive.active_depth is not None and adaptive.active_depth.kv_strategy == "mask":
+            from vllm_adaptive.attention.masked_backend import register_masked_backend
+
+            register_masked_backend()  # before the attention layers pick their backend
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.adaptive_config = adaptive
         self.precision: PrecisionController | None = None
@@ -170,12 +193,16 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         if adaptive.active_depth is not None:
             from vllm_adaptive.batch_mirror import register_listener
 
-            self.depth = load_depth_runtime(self.model, vllm_config, adaptive.active_depth)
+            self.depth = load_depth_runtime(
+                self.model, vllm_config, adaptive.active_depth, self.lm_head.weight
+            )
             self.model.depth_runtime = self.depth
             register_listener("depth", self.depth.requests)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
+        if self.depth is not None and self.depth.strategy == "river":
+            self.depth.build_river(self.model)
         if self.adaptive_config.active_precision is not None:
             self.precision = install_precision(
                 self, self.adaptive_config.active_precision, self._tokenizer_path

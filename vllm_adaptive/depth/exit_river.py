@@ -1,0 +1,196 @@
+"""River-LLM's Exit River (sec. 4.1-4.2): 4-bit copies of the backbone's deep layers that share
+its KV cache.
+
+A decode token that exits after block ``l`` does not stop: it runs blocks ``l+1 .. L`` through
+weight-only int4 copies of their linears (the precision issue's packed weights and kernels) and
+the backbone's own norms, rotary embedding and attention module, so its K/V land in the same
+paged-cache slots the backbone would have written, and the final norm and LM head see it as any
+other token. Every slot therefore has K/V at every layer (the depth record says L); what the
+token saved is the full-precision weights of the layers it ran in the river.
+
+One step runs each layer once for the whole batch: rows still in the backbone use the float
+linears, river rows the int4 ones, and attention (one call, the step's own metadata) is shared.
+No row leaves the batch, so no attention metadata is sliced.
+
+Quantizer: group-wise min/max asymmetric (``symmetric=False``, the Q4_1 grid the default model's
+weights were distributed on, so the river is nearly lossless there) or symmetric absmax, which
+is not on that grid. HQQ's optimised zero points are not implemented.
+
+Backbone offloading (sec. 4.2): the backbone's float linears of the river's layers are written
+to a file and memory-mapped; their resident copies (vLLM's prepacked oneDNN weights on CPU) are
+dropped, so they cost memory only when a token does not exit and the pages are read back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
+from vllm_adaptive.kernels.packed import PackedWeight, quantize
+from vllm_adaptive.precision.tiers import packed_resident_bytes
+
+logger = logging.getLogger("vllm.adaptive.depth")
+
+LINEARS = (
+    ("self_attn", "qkv_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_up_proj"),
+    ("mlp", "down_proj"),
+)
+
+
+@dataclass
+class RiverLayer:
+    index: int  # 0-based backbone layer index
+    packed: dict[str, PackedWeight]  # "qkv_proj" ... -> int4 copy
+
+
+def _linear(layer: Any, name: str) -> Any:
+    parent, child = next(p for p in LINEARS if p[1] == name)
+    return getattr(getattr(layer, parent), child)
+
+
+class ExitRiver:
+    def __init__(self, layers: Any, entry_layer: int, group_size: int, symmetric: bool) -> None:
+        """Quantize the linears of blocks ``entry_layer+1 .. L`` (0-based ``entry_layer ..
+        L-1``); run after the weights are loaded."""
+        self.entry_layer = entry_layer
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.layers: dict[int, RiverLayer] = {}
+        for i in range(entry_layer, len(layers)):
+            packed = {}
+            for _, name in LINEARS:
+                w = _linear(layers[i], name).weight.detach()
+                packed[name] = quantize(
+                    w, 4, group_size, symmetric=symmetric, check_double_quant=False
+                )
+            self.layers[i] = RiverLayer(i, packed)
+        self.offloaded: dict[str, int] = {}
+        self.offload_file: str | None = None
+        self._offload_dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def quantizer(self) -> str:
+        kind = "sym absmax" if self.symmetric else "asym min/max"
+        return f"int4 g{self.group_size} {kind}"
+
+    def resident_bytes(self) -> int:
+        return sum(
+            packed_resident_bytes(p) for r in self.layers.values() for p in r.packed.values()
+        )
+
+    # -- one layer, backbone rows and river rows together ----------------------------------------
+    def _mixed(self, layer: Any, name: str, x: torch.Tensor, river: torch.Tensor, backbone):
+        """The linear ``name`` for every row: float weights for ``backbone`` rows, int4 for
+        ``river`` rows (index tensors into ``x``)."""
+        lin = _linear(layer, name)
+        packed = self.layers[layer_index(layer)].packed[name]
+        xr = x.index_select(0, river).contiguous()
+        path = choose_path_cached(packed, xr.shape[0], x.dtype)
+        yr = bound_kernel(packed, path, x.dtype)(xr)
+        if lin.bias is not None:
+            yr = yr + lin.bias
+        if backbone is None:
+            return yr
+        out = x.new_empty(x.shape[0], yr.shape[1])
+        out.index_copy_(0, river, yr)
+        if backbone.numel():
+            yb, _ = lin(x.index_select(0, backbone))
+            out.index_copy_(0, backbone, yb)
+        return out
+
+    def forward_layer(
+        self,
+        layer: Any,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        river: torch.Tensor,
+        backbone: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's ``LlamaDecoderLayer.forward`` with the linears split by row; ``backbone``
+        None: every row is a river row."""
+        if residual is None:
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+        else:
+            hidden, residual = layer.input_layernorm(hidden, residual)
+        attn = layer.self_attn
+        qkv = self._mixed(layer, "qkv_proj", hidden, river, backbone)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(positions, q, k)
+        hidden = self._mixed(layer, "o_proj", attn.attn(q, k, v), river, backbone)
+        hidden, residual = layer.post_attention_layernorm(hidden, residual)
+        mlp = layer.mlp
+        gate_up = self._mixed(layer, "gate_up_proj", hidden, river, backbone)
+        hidden = self._mixed(layer, "down_proj", mlp.act_fn(gate_up), river, backbone)
+        return hidden, residual
+
+    # -- backbone offloading ------------------------------------------------------------------
+    def map_backbone(self, layers: Any, directory: str | None = None) -> None:
+        """At load time (float weights still there): write the backbone's float linears of the
+        river's layers to a file and keep a memory-mapped view of each on its linear."""
+        tensors = {
+            f"{i}.{name}": _linear(layers[i], name).weight.detach().clone()
+            for i in self.layers
+            for _, name in LINEARS
+        }
+        if directory is None:
+            self._offload_dir = tempfile.TemporaryDirectory(prefix="vllm-adaptive-offload-")
+            directory = self._offload_dir.name
+        path = os.path.join(directory, f"backbone-{os.getpid()}.pt")
+        torch.save(tensors, path)
+        moved = sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+        mapped = torch.load(path, mmap=True, weights_only=True)
+        for i in self.layers:
+            for _, name in LINEARS:
+                _linear(layers[i], name)._adaptive_mapped = mapped[f"{i}.{name}"]
+        self.offloaded = {"offloaded_backbone_bytes": moved}
+        self.offload_file = path
+
+    def offload_backbone(self, layers: Any) -> None:
+        """After vLLM's weight processing: drop the resident copies (prepacked CPU GEMM
+        handles, float weights) and run those linears on the mapped weights."""
+        done = 0
+        for i in self.layers:
+            for _, name in LINEARS:
+                lin = _linear(layers[i], name)
+                mapped = getattr(lin, "_adaptive_mapped", None)
+                if mapped is not None:
+                    _map_linear(lin, mapped)
+                    del lin._adaptive_mapped
+                    done += 1
+        if done:
+            logger.info(
+                "vllm-adaptive river: %.1f MB of backbone weights (blocks %d-%d) offloaded to %s",
+                self.offloaded["offloaded_backbone_bytes"] / 1e6,
+                min(self.layers) + 1,
+                max(self.layers) + 1,
+                self.offload_file,
+            )
+
+
+def layer_index(layer: Any) -> int:
+    """0-based index of a vLLM decoder layer (from its attention layer's name)."""
+    idx = getattr(layer, "_adaptive_index", None)
+    if idx is None:
+        name = layer.self_attn.attn.layer_name  # "model.layers.12.self_attn.attn"
+        idx = int(name.split(".layers.")[1].split(".")[0])
+        layer._adaptive_index = idx
+    return idx
+
+
+def _map_linear(lin: Any, weight: torch.Tensor) -> None:
+    """Point a vLLM linear at a mapped float weight, dropping its prepacked copy."""
+    lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if hasattr(lin, "cpu_linear"):
+        lin.cpu_linear = lambda x, _w, bias, m=weight: F.linear(x, m, bias)
