@@ -21,12 +21,45 @@ def _cache(kv_cache: Any) -> torch.Tensor:
     return kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
 
 
-def install_kv_audit(model: Any) -> int:
+def _poison(kv_cache: Any, slots: torch.Tensor, block_size: int):
+    """NaN into the K and V of ``slots`` at this layer (CPU_ATTN layout); returns a function
+    that puts the old values back. The poison lasts for one attention call only: left in
+    place, it would sit in slots past ``seq_len`` of reused blocks, which vLLM's fused op
+    multiplies by a zero weight (0 * NaN = NaN) although they are not attended."""
+    from vllm_adaptive.kernels.masked_paged_attention import logical_kv, split_cpu_kv_cache
+
+    k, v = logical_kv(*split_cpu_kv_cache(_cache(kv_cache)), "cpu")  # [nb, nkv, bs, hs] views
+    blocks, offs = slots // block_size, slots % block_size
+    saved_k, saved_v = k[blocks, :, offs, :].clone(), v[blocks, :, offs, :].clone()
+    k[blocks, :, offs, :] = float("nan")
+    v[blocks, :, offs, :] = float("nan")
+
+    def restore() -> None:
+        k[blocks, :, offs, :] = saved_k
+        v[blocks, :, offs, :] = saved_v
+
+    return restore
+
+
+def install_kv_audit(model: Any, mask_aware: bool = False) -> int:
+    """``mask_aware``: under the `mask` KV strategy unwritten cached slots are expected in the
+    attended range; they are poisoned with NaN instead of counted, and any non-finite attention
+    output is the violation (a masked slot contributed)."""
     layers = model.model.layers
     num_layers = len(layers)
     if _AUDIT.get("installed"):
         return num_layers
-    _AUDIT.update(installed=True, violations=[], reads=0, checked_slots=0, writes=0, shadow=None)
+    _AUDIT.update(
+        installed=True,
+        violations=[],
+        reads=0,
+        checked_slots=0,
+        writes=0,
+        shadow=None,
+        mask_aware=mask_aware,
+        poisoned=0,
+        nan_outputs=[],
+    )
 
     def shadow_for(kv_cache: Any) -> torch.Tensor:
         if _AUDIT["shadow"] is None:
@@ -49,6 +82,7 @@ def install_kv_audit(model: Any) -> int:
             return _orig(attn, key, value, kv_cache, slot_mapping)
 
         def forward(attn, query, key, value, kv_cache, md, *args, _i=index, _o=orig_forward, **kw):
+            restores = []
             if md is not None and hasattr(md, "block_table"):
                 shadow = shadow_for(kv_cache)
                 bs = _AUDIT["block_size"]
@@ -59,9 +93,21 @@ def install_kv_audit(model: Any) -> int:
                     ok = shadow[_i, slots]
                     _AUDIT["reads"] += 1
                     _AUDIT["checked_slots"] += int(n)
-                    if not bool(ok.all()):
+                    if bool(ok.all()):
+                        continue
+                    if _AUDIT["mask_aware"]:
+                        restores.append(_poison(kv_cache, slots[~ok], bs))
+                        _AUDIT["poisoned"] += int((~ok).sum())
+                    else:
                         _AUDIT["violations"].append((_i, int((~ok).sum())))
-            return _o(attn, query, key, value, kv_cache, md, *args, **kw)
+            result = _o(attn, query, key, value, kv_cache, md, *args, **kw)
+            if _AUDIT["mask_aware"] and md is not None and hasattr(md, "num_actual_tokens"):
+                out = result if isinstance(result, torch.Tensor) else args[0] if args else None
+                if out is not None and not bool(torch.isfinite(out[: md.num_actual_tokens]).all()):
+                    _AUDIT["nan_outputs"].append(_i)
+            for restore in reversed(restores):
+                restore()
+            return result
 
         impl.do_kv_cache_update = update
         impl.forward = forward
@@ -77,7 +123,33 @@ def audit_report(model: Any) -> dict[str, Any]:
         "reads": _AUDIT.get("reads", 0),
         "checked_slots": _AUDIT.get("checked_slots", 0),
         "writes": _AUDIT.get("writes", 0),
+        "poisoned": _AUDIT.get("poisoned", 0),
+        "nan_outputs": len(_AUDIT.get("nan_outputs", [])),
+        "first_nan_layers": _AUDIT.get("nan_outputs", [])[:5],
     }
+
+
+def install_mask_audit(model: Any) -> int:
+    return install_kv_audit(model, mask_aware=True)
+
+
+def reset_nan_outputs(model: Any) -> None:
+    _AUDIT["nan_outputs"] = []
+
+
+def stop_publishing_mask(model: Any) -> None:
+    """Negative control for the mask strategy: attention no longer learns which cached slots
+    are masked, so it reads the poisoned ones."""
+    import vllm_adaptive.depth.runtime as runtime
+
+    runtime._saved_publish = runtime.publish_mask
+    runtime.publish_mask = lambda mask: runtime._saved_publish(None)
+
+
+def restore_publishing_mask(model: Any) -> None:
+    import vllm_adaptive.depth.runtime as runtime
+
+    runtime.publish_mask = runtime._saved_publish
 
 
 def reset_audit_violations(model: Any) -> None:

@@ -220,7 +220,8 @@ class DepthRuntime:
                         c = self._refresh(model, block_row, p, c)
                     cap[r] = c
                 if self.strategy == "mask":
-                    visible = min(visible, record.context_min(block_row, p) or L)
+                    low = record.context_min(block_row, p)
+                    visible = min(visible, low if low is not None else L)
                 floor[r] = self.schedule.floor(t)
                 if not state.off:
                     may_exit[r] = True
