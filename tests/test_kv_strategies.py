@@ -8,6 +8,8 @@ signal (docs/kv-strategies.md):
 * ``propagate`` + QuickSilver: every slot has K/V at every layer after the step (audit: no read
   of an unwritten (layer, slot), with no prefill cap and no mask to hide one).
 * ``river`` + River-LLM's cosine signal: the same property, K/V written by the int4 river.
+* ``recompute`` + EMAD or River's batch minimum: the same property, the previous token resumed
+  through its skipped layers before the current one attends to it.
 
 Each engine also shows that with exits off (``adaptive_depth_budget: 1.0``) its greedy output is
 stock vLLM's, and that later tokens may go deeper than earlier ones (no monotone cap).
@@ -211,7 +213,7 @@ def river_llm(model_dir: Path, depth_profile: Path):
         "profile": str(depth_profile),
         "floor": {"tokens": 4},
         "kv_strategy": "river",
-        "river": {"entry_layer": 8},
+        "river": {"entry_layer": 8, "prefill": "river"},
         "signal": {"policy": "river", "river": {"tau": 0.95}},
     }
     llm = _engine(model_dir, depth, install_kv_audit)
@@ -235,3 +237,41 @@ def test_river_every_slot_has_kv_at_every_layer(river_llm) -> None:
     assert eng["river_token_layers"] > 0 and eng["mean_decode_depth"] < 30
     assert min(int(k) for k in eng["exit_tokens"]) >= 8  # no exit before the entry layer
     assert eng["peels"] == 0  # the river keeps every row in the batch
+
+
+# -- recompute ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def recompute_llm(model_dir: Path, depth_profile: Path):
+    from tests.conftest import _shutdown
+    from tests.depth_probe import install_kv_audit
+
+    depth = {
+        "profile": str(depth_profile),
+        "budget": 0.5,
+        "floor": {"tokens": 4},
+        "kv_strategy": "recompute",
+        "signal": {
+            "policy": ["emad", "river"],
+            "combine": "any",
+            "river": {"tau": 0.97, "batch_min": True},
+        },
+    }
+    llm = _engine(model_dir, depth, install_kv_audit)
+    yield llm
+    _shutdown(llm)
+
+
+def test_recompute_every_read_slot_has_kv(recompute_llm) -> None:
+    """The previous token is resumed through its skipped layers before the current one
+    attends to it; a prefill over cached slots of unresumed tokens is capped (audit: no read
+    of an unwritten (layer, slot))."""
+    from tests.depth_probe import audit_report
+
+    _workload(recompute_llm, 4, "rec")
+    report = recompute_llm.apply_model(audit_report)[0]
+    eng = _engine_stats(recompute_llm)
+    assert report["reads"] > 1000
+    assert report["violations"] == 0, report["first_violations"]
+    assert eng["signal"] == ["emad", "river"] and eng["kv_strategy"] == "recompute"
+    assert eng["recomputed_kv"] > 0 and eng["mean_decode_depth"] < 30
+    assert _deeper_later(recompute_llm) > 0

@@ -242,7 +242,7 @@ class SignalConfig(_Strict):
         return self
 
 
-KvStrategy = Literal["monotone", "mask", "propagate", "river"]
+KvStrategy = Literal["monotone", "mask", "propagate", "recompute", "river"]
 
 
 class ExitRiverConfig(_Strict):
@@ -257,6 +257,10 @@ class ExitRiverConfig(_Strict):
     symmetric: bool = False
     """False: asymmetric min/max (the Q4_1 grid the default model's weights sit on, so nearly
     lossless there); True: symmetric absmax, which is not on that grid."""
+    prefill: Literal["backbone", "river"] = "backbone"
+    """How prompt tokens run past the entry layer: the full-precision backbone, or the river
+    (River-LLM's sequence-level exit for prefill; with offloading, prefills then never touch
+    the offloaded backbone layers)."""
     offload_backbone: bool = False
     """River-LLM's backbone offloading: the backbone's linear weights of the river's layers
     leave memory (a memory-mapped file on CPU, host memory on a GPU) until a token needs them."""
@@ -281,7 +285,9 @@ class DepthConfig(_Strict):
     kv_strategy: KvStrategy = "monotone"
     """What the layers a token skipped hold (docs/kv-strategies.md): "monotone" (depth never
     rises, nothing is missing), "mask" (skipped layers write nothing and attention leaves those
-    slots out), "propagate" (K/V from the exit state, CALM) or "river" (River-LLM's Exit River)."""
+    slots out), "propagate" (K/V from the exit state, CALM), "recompute" (EE-LLM's batching
+    recompute: the next step resumes the exited token through its skipped layers) or "river"
+    (River-LLM's Exit River)."""
     river: ExitRiverConfig | None = None
     """Settings of the "river" KV strategy (default ``{}``)."""
 

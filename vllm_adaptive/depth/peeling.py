@@ -96,6 +96,50 @@ def subset_cpu_metadata(md: Any, rows: torch.Tensor, args: CpuSchedulerArgs) -> 
     )
 
 
+def one_token_cpu_metadata(
+    md: Any,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    args: CpuSchedulerArgs,
+) -> Any:
+    """`CPUAttentionMetadata` for one query token per row: request ``rows`` of ``md`` (their
+    block tables), attending to ``seq_lens`` positions, the query written to ``slot_mapping``.
+    For tokens that are not this step's (the `recompute` strategy resumes earlier ones)."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    n = int(rows.numel())
+    qsl = torch.arange(n + 1, dtype=md.query_start_loc.dtype, device=md.query_start_loc.device)
+    seq_lens = seq_lens.to(md.seq_lens.dtype).to(md.seq_lens.device)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        seq_lens=seq_lens,
+        dtype=args.dtype,
+        query_start_loc=qsl,
+        causal=md.causal,
+        sliding_window_size=args.sliding_window,
+        isa=args.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    return dataclasses.replace(
+        md,
+        num_actual_tokens=n,
+        max_query_len=1,
+        query_start_loc=qsl,
+        max_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens,
+        block_table=md.block_table[rows.to(md.block_table.device)],
+        slot_mapping=slot_mapping.to(md.slot_mapping.dtype).to(md.slot_mapping.device),
+        scheduler_metadata=sched,
+    )
+
+
 @contextmanager
 def step_metadata(layer_names: list[str]) -> Iterator[PeelingContext]:
     """Lets the layer loop swap per-layer metadata for this step; restores it afterwards."""

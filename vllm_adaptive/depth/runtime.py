@@ -31,6 +31,7 @@ from vllm_adaptive.depth.exit_river import ExitRiver
 from vllm_adaptive.depth.mask_context import StepMask, publish_mask
 from vllm_adaptive.depth.peeling import (
     CpuSchedulerArgs,
+    one_token_cpu_metadata,
     step_metadata,
     subset_cpu_metadata,
     token_index,
@@ -54,6 +55,7 @@ class StepPlan:
     samples: np.ndarray  # [R] bool: the row's last token is sampled (decode, last prefill chunk)
     states: list | None
     all_visible_below: int  # mask strategy: layers below see every cached slot
+    resume: list  # recompute strategy: (row, position, slot, depth) of tokens to resume
 
 
 @dataclass
@@ -68,6 +70,7 @@ class EngineCounters:
     backfilled_kv: int = 0
     propagated_kv: int = 0  # (token, layer) K/V written from exit states (propagate)
     river_token_layers: int = 0  # decode token-layers run in the Exit River
+    recomputed_kv: int = 0  # token-layers resumed from exit states (recompute)
     masked_steps: int = 0  # steps where some cached slot was masked at some layer
     peels: int = 0
     probe_evals: int = 0  # (token, probe layer) proxy evaluations
@@ -157,7 +160,7 @@ class DepthRuntime:
         num_blocks, _, block_size, _ = cache.shape
         device = cache.device
         self.record = SlotDepthRecord(num_blocks * block_size, block_size, device)
-        if self.config.refresh is not None:
+        if self.config.refresh is not None or self.strategy == "recompute":
             hidden = model.norm.weight.shape[0]
             self.store = ExitStateStore(num_blocks * block_size, hidden, self.dtype, device)
         self.sched_args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
@@ -200,6 +203,7 @@ class DepthRuntime:
         samples = np.zeros(num_reqs, dtype=bool)
         thresholds = np.full((num_reqs, P), -np.inf)
         visible = L  # layers below this see every cached slot (mask strategy)
+        resume: list[tuple[int, int, int, int]] = []
         if states is None:
             self.warn_once("unmapped", "vllm-adaptive depth: step not mapped; no exits")
         for r in range(num_reqs):
@@ -219,6 +223,11 @@ class DepthRuntime:
                     if c > prev:
                         c = self._refresh(model, block_row, p, c)
                     cap[r] = c
+                if self.strategy == "recompute":
+                    slot = record.slots(block_row, torch.tensor([p - 1]))
+                    d = int(record.read(slot).item())
+                    if 0 < d < L:
+                        resume.append((r, p - 1, int(slot.item()), d))
                 if self.strategy == "mask":
                     low = record.context_min(block_row, p)
                     visible = min(visible, low if low is not None else L)
@@ -250,6 +259,7 @@ class DepthRuntime:
             samples=samples,
             states=states,
             all_visible_below=visible,
+            resume=resume,
         )
 
     def _refresh(self, model: Any, block_row: torch.Tensor, p: int, cap: int) -> int:
@@ -306,6 +316,8 @@ class DepthRuntime:
                 mask = StepMask(self.record.depth, plan.all_visible_below)
                 self.counters.masked_steps += 1
             with step_metadata(self.layer_names) as ctx, publish_mask(mask):
+                if plan.resume:
+                    self._resume(model, ctx, md, plan.resume)
                 out, depth = self._peel(model, ctx, md, plan, positions, hidden, input_ids)
         self._commit(md, plan, depth, positions.shape[0])
         self.counters.decision_seconds += t_plan
@@ -402,9 +414,50 @@ class DepthRuntime:
             depth[rows] = L
         return out, depth
 
+    def _resume(self, model, ctx, md, items: list[tuple[int, int, int, int]]) -> None:
+        """Batching recompute (EE-LLM): before this step's tokens run, each decode row's
+        previous token, which exited after ``d`` blocks, continues from its stored exit state
+        through blocks ``d+1 .. L`` with full attention, so its K/V exist at every layer when
+        the current token attends to it. Rows join the batch at their own layer."""
+        store, record = self.store, self.record
+        assert store is not None and record is not None
+        L = self.num_layers
+        dev = md.slot_mapping.device
+        rows = torch.tensor([it[0] for it in items])
+        pos = torch.tensor([it[1] for it in items], device=dev)
+        slots = torch.tensor([it[2] for it in items], device=dev)
+        d = torch.tensor([it[3] for it in items])
+        states = store.state[slots.long()]
+        active = torch.zeros(len(items), dtype=torch.bool)
+        h = res = None
+        for i in range(int(d.min()), L):
+            join = d == i
+            if bool(join.any()):
+                was = active.clone()
+                active |= join
+                idx = torch.nonzero(active).squeeze(1)
+                h_new = torch.empty(idx.numel(), states.shape[1], dtype=states.dtype, device=dev)
+                r_new = torch.zeros_like(h_new)
+                joined = join[idx].to(dev)
+                h_new[joined] = states[join.to(dev)]  # stream as h, zero residual: same sum
+                if h is not None:
+                    kept = was[idx].to(dev)
+                    h_new[kept], r_new[kept] = h, res
+                h, res = h_new, r_new
+                sub = one_token_cpu_metadata(
+                    md, rows[idx], pos[idx.to(dev)] + 1, slots[idx.to(dev)], self.sched_args
+                )
+                ctx.install(sub, i)
+            h, res = model.layers[i](pos[active.to(dev)], h, res)
+            self.counters.recomputed_kv += int(active.sum())
+        ctx.install(md, 0)
+        record.write(slots, L)
+
     def _river_forward(self, model, md, plan: StepPlan, positions, hidden, input_ids=None):
         """Every row runs every layer; a decode row that exits switches to the Exit River's int4
-        layers for the rest, writing its K/V into its own slots. ``depth``: backbone blocks."""
+        layers for the rest, writing its K/V into its own slots. With ``river.prefill: river``
+        prompt tokens take the river after the entry layer (River-LLM's sequence-level exit for
+        prefill). ``depth``: backbone blocks."""
         river = self.river
         assert river is not None, "build_river runs at weight loading"
         L = self.num_layers
@@ -412,9 +465,16 @@ class DepthRuntime:
         num_reqs = plan.cap.shape[0]
         depth = torch.full((num_reqs,), L, dtype=torch.long)
         qsl = md.query_start_loc.cpu().long()
-        first = qsl[:-1].to(hidden.device)  # a decode row's (only) token
-        tok = torch.arange(hidden.shape[0], device=hidden.device)
+        dev = hidden.device
+        first = qsl[:-1].to(dev)  # a decode row's (only) token
+        tok = torch.arange(hidden.shape[0], device=dev)
         in_river = torch.zeros(num_reqs, dtype=torch.bool)
+        river_tok = torch.zeros(hidden.shape[0], dtype=torch.bool, device=dev)
+        prefill_rows = torch.from_numpy(~plan.decode)
+        for r, state in enumerate(plan.states or [None] * num_reqs):
+            if state is None or state.off:  # exits off: this request's prompt stays stock
+                prefill_rows[r] = False
+        prefill_river = self.config.river_settings.prefill == "river" and bool(prefill_rows.any())
         h, res = hidden, None
         any_exit = bool(plan.may_exit.any())
         all_rows = torch.arange(num_reqs)
@@ -423,19 +483,19 @@ class DepthRuntime:
             prev = None
             if any_exit and self._needs_prev(count):
                 prev = h if res is None else h + res
-            if bool(in_river.any()):
-                rt = first[in_river.to(first.device)]
-                if bool(in_river.all()) and int(qsl[-1]) == num_reqs:
-                    h, res = river.forward_layer(layer, positions, h, res, rt, None)
-                else:
-                    bb = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-                    bb[rt] = False
-                    h, res = river.forward_layer(
-                        layer, positions, h, res, rt, torch.nonzero(bb).squeeze(1)
-                    )
-                c.river_token_layers += int(rt.numel())
+            if bool(river_tok.any()):
+                rt = torch.nonzero(river_tok).squeeze(1)
+                bt = torch.nonzero(~river_tok).squeeze(1)
+                h, res = river.forward_layer(
+                    layer, positions, h, res, rt, bt if bt.numel() else None
+                )
+                c.river_token_layers += int(river_tok[first[in_river.to(dev)]].sum())
             else:
                 h, res = layer(positions, h, res)
+            if prefill_river and count == river.entry_layer:
+                for r in torch.nonzero(prefill_rows).squeeze(1).tolist():
+                    river_tok[int(qsl[r]) : int(qsl[r + 1])] = True
+                depth[prefill_rows] = count
             p = self.probe_index.get(count)
             if p is None or count < river.entry_layer or count >= L:
                 continue
@@ -448,6 +508,7 @@ class DepthRuntime:
                 )
                 newly = j[passed]
                 in_river[newly] = True
+                river_tok[first[newly.to(dev)]] = True
                 depth[newly] = count
             c.decision_seconds += time.perf_counter() - t0
         out, _ = model.norm(h, res)
@@ -485,6 +546,7 @@ class DepthRuntime:
             "kv_strategy": self.strategy,
             "propagated_kv": c.propagated_kv,
             "river_token_layers": c.river_token_layers,
+            "recomputed_kv": c.recomputed_kv,
             "masked_steps": c.masked_steps,
             "num_layers": self.num_layers,
             "budget": self.budget,
