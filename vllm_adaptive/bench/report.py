@@ -41,6 +41,8 @@ def depth_parts(depth: dict[str, Any], engine: dict[str, Any] | None = None) -> 
         r = depth.get("river") or {}
         sym = "sym" if r.get("symmetric", False) else "asym"
         kv = f"river(g{r.get('group_size', 32)} {sym}, L_s {r.get('entry_layer', 1)})"
+        if r.get("prefill") == "river":
+            kv += "+prefill"
         offload = bool(r.get("offload_backbone", False))
         if offload:
             kv += "+offload"
