@@ -535,15 +535,3 @@ def test_calibrate_signals_cli_end_to_end(tmp_path: Path) -> None:
     assert mask.tolist() == [False] + [True] * 30  # token 0 is <|im_start|>: protected
     river = build_exit_signal(SignalConfig(policy="river", river={"tau": -1.0}), prof)
     assert river.exit_mask(batch).all()
-
-
-def test_engine_refuses_signals_the_runtime_does_not_run_yet() -> None:
-    """Until runtime.py calls build_exit_signal, a non-EMAD policy stops the engine at start
-    (naming the key) instead of being silently ignored."""
-    from vllm_adaptive.models.llama import load_depth_runtime
-
-    depth = parse_adaptive_config(
-        {"depth": {"profile": "p", "signal": {"policy": "river", "river": {"tau": 0.5}}}}
-    ).depth
-    with pytest.raises(AdaptiveConfigError, match="adaptive.depth.signal.policy"):
-        load_depth_runtime(None, None, depth)
