@@ -188,23 +188,13 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         mask = current_mask()
-        if attn_metadata is None or mask is None:
+        layer_index = None if mask is None else self.layer_index(layer)
+        if attn_metadata is None or mask is None or layer_index < mask.all_visible_below:
             if attn_metadata is not None:
-                STATS.unmasked += 1
-            return super().forward(
-                layer,
-                query,
-                key,
-                value,
-                kv_cache,
-                attn_metadata,
-                output,
-                output_scale,
-                output_block_scale,
-            )
-        layer_index = self.layer_index(layer)
-        if layer_index < mask.all_visible_below:
-            STATS.fused += 1
+                if mask is None:
+                    STATS.unmasked += 1
+                else:
+                    STATS.fused += 1
             return super().forward(
                 layer,
                 query,

@@ -58,24 +58,21 @@ def token_index(query_start_loc: torch.Tensor, rows: torch.Tensor) -> torch.Tens
     return base + offsets
 
 
-def subset_cpu_metadata(md: Any, rows: torch.Tensor, args: CpuSchedulerArgs) -> Any:
-    """`CPUAttentionMetadata` for requests ``rows`` (ascending) of ``md``."""
+def _scheduler_metadata(
+    md: Any, args: CpuSchedulerArgs, seq_lens: torch.Tensor, qsl: torch.Tensor
+) -> torch.Tensor:
+    """What vLLM's CPU metadata builder computes for a batch of requests."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
-    qsl = md.query_start_loc
-    counts = (qsl[1:] - qsl[:-1])[rows]
-    new_qsl = torch.zeros(len(rows) + 1, dtype=qsl.dtype, device=qsl.device)
-    torch.cumsum(counts, 0, out=new_qsl[1:])
-    seq_lens = md.seq_lens[rows]
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(rows),
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=int(seq_lens.shape[0]),
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
         seq_lens=seq_lens,
         dtype=args.dtype,
-        query_start_loc=new_qsl,
+        query_start_loc=qsl,
         causal=md.causal,
         sliding_window_size=args.sliding_window,
         isa=args.isa,
@@ -83,6 +80,16 @@ def subset_cpu_metadata(md: Any, rows: torch.Tensor, args: CpuSchedulerArgs) -> 
         dynamic_causal=None,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+
+
+def subset_cpu_metadata(md: Any, rows: torch.Tensor, args: CpuSchedulerArgs) -> Any:
+    """`CPUAttentionMetadata` for requests ``rows`` (ascending) of ``md``."""
+    qsl = md.query_start_loc
+    counts = (qsl[1:] - qsl[:-1])[rows]
+    new_qsl = torch.zeros(len(rows) + 1, dtype=qsl.dtype, device=qsl.device)
+    torch.cumsum(counts, 0, out=new_qsl[1:])
+    seq_lens = md.seq_lens[rows]
+    sched = _scheduler_metadata(md, args, seq_lens, new_qsl)
     return dataclasses.replace(
         md,
         num_actual_tokens=int(counts.sum()),
@@ -106,27 +113,10 @@ def one_token_cpu_metadata(
     """`CPUAttentionMetadata` for one query token per row: request ``rows`` of ``md`` (their
     block tables), attending to ``seq_lens`` positions, the query written to ``slot_mapping``.
     For tokens that are not this step's (the `recompute` strategy resumes earlier ones)."""
-    from vllm import _custom_ops as ops
-    from vllm import envs
-
     n = int(rows.numel())
     qsl = torch.arange(n + 1, dtype=md.query_start_loc.dtype, device=md.query_start_loc.device)
     seq_lens = seq_lens.to(md.seq_lens.dtype).to(md.seq_lens.device)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=n,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        seq_lens=seq_lens,
-        dtype=args.dtype,
-        query_start_loc=qsl,
-        causal=md.causal,
-        sliding_window_size=args.sliding_window,
-        isa=args.isa,
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    sched = _scheduler_metadata(md, args, seq_lens, qsl)
     return dataclasses.replace(
         md,
         num_actual_tokens=n,
