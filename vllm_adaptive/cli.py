@@ -46,6 +46,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_train_m2r2(args: argparse.Namespace) -> int:
+    from vllm_adaptive.m2r2.train import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-adaptive", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     calib = sub.add_parser("calibrate", help="offline EMAD adaptive-depth calibration profile")
     add_calibrate_arguments(calib)
     calib.set_defaults(func=_cmd_calibrate)
+
+    from vllm_adaptive.m2r2.args import add_m2r2_arguments
+
+    train = sub.add_parser("train", help="train adapters on text (no vLLM)")
+    train_sub = train.add_subparsers(dest="train_command", required=True)
+    m2r2 = train_sub.add_parser(
+        "m2r2", help="M2R2 accelerator adapters (spec: draft at layer k; exit: ARLA gates)"
+    )
+    add_m2r2_arguments(m2r2)
+    m2r2.set_defaults(func=_cmd_train_m2r2)
     return parser
 
 
