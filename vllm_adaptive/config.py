@@ -307,6 +307,60 @@ class DepthConfig(_Strict):
         return self.river if self.river is not None else ExitRiverConfig()
 
 
+#: The proposer class vLLM's ``speculative_config`` names (``method: "custom_class"``).
+SELF_SPECULATIVE_PROPOSER = "vllm_adaptive.speculative.proposer.SelfSpeculativeProposer"
+
+
+class SpeculativeConfig(_Strict):
+    """Self-speculative decoding (docs/speculative.md): the target model drafts its own tokens
+    and vLLM's rejection sampler verifies them with the full model, so output is unchanged.
+
+    Needs vLLM's ``speculative_config`` too: ``{"method": "custom_class", "model":
+    "vllm_adaptive.speculative.proposer.SelfSpeculativeProposer", "num_speculative_tokens": k}``.
+    """
+
+    draft: Literal["early", "lowbit", "m2r2"]
+    """"early": the first ``layers`` blocks, then the final norm and LM head (LayerSkip, DEED);
+    "m2r2": the same blocks plus M2R2's trained accelerator adapters (``adapter``);
+    "lowbit": every block with packed low-precision copies of the model's own weights."""
+    layers: int | None = Field(None, ge=1)
+    """Draft depth for "early" and "m2r2" (default 4; "m2r2" takes the adapter's)."""
+    precision: Literal["int8", "int4"] | None = None
+    """"lowbit": the weight precision of the draft (default int4). int8 is per-row symmetric."""
+    group_size: int = Field(32, ge=8)
+    """"lowbit" int4: quantization group along the input dimension."""
+    symmetric: bool = False
+    """"lowbit" int4: False is asymmetric min/max (on the default model's Q4_1 grid, so close
+    to the model itself: a control), True symmetric absmax (off that grid)."""
+    head: Literal["full", "int8", "int4"] | None = None
+    """Precision of the draft's LM head; default the draft precision for "lowbit", else full."""
+    adapter: str | None = None
+    """"m2r2": directory written by ``vllm-adaptive train m2r2 --mode spec``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.draft == "lowbit":
+            if self.layers is not None:
+                raise ValueError('"layers": a "lowbit" draft runs every layer (remove layers)')
+        elif self.precision is not None:
+            raise ValueError(f'"precision" is for draft "lowbit", not "{self.draft}"')
+        if self.draft == "m2r2" and not self.adapter:
+            raise ValueError('draft "m2r2" needs "adapter" (vllm-adaptive train m2r2 --out DIR)')
+        if self.draft != "m2r2" and self.adapter is not None:
+            raise ValueError(f'"adapter" is for draft "m2r2", not "{self.draft}"')
+        return self
+
+    @property
+    def draft_precision(self) -> str:
+        return self.precision or "int4"
+
+    @property
+    def head_precision(self) -> str:
+        if self.head is not None:
+            return self.head
+        return self.draft_precision if self.draft == "lowbit" else "full"
+
+
 class AdaptiveConfig(_Strict):
     """Engine-wide adaptive settings (one per vLLM engine)."""
 
@@ -315,6 +369,7 @@ class AdaptiveConfig(_Strict):
     exactly stock vLLM's output (a kill switch that keeps the rest of the config)."""
     precision: PrecisionConfig | None = None
     depth: DepthConfig | None = None
+    speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AdaptiveConfig:
@@ -323,11 +378,19 @@ class AdaptiveConfig(_Strict):
                 '"precision" and "depth" cannot be combined yet: gear plans are made per '
                 "token for the whole step, depth-peeling shrinks the batch inside the step"
             )
+        if self.speculative is not None and (self.precision is not None or self.depth is not None):
+            raise ValueError(
+                '"speculative" cannot be combined with "precision" or "depth": verification '
+                "scores several tokens per request per step (the draft already runs low "
+                'precision or few layers: see "speculative.draft")'
+            )
         return self
 
     @property
     def any_mechanism_enabled(self) -> bool:
-        return self.mode == "on" and (self.precision is not None or self.depth is not None)
+        return self.mode == "on" and (
+            self.precision is not None or self.depth is not None or self.speculative is not None
+        )
 
     @property
     def active_precision(self) -> PrecisionConfig | None:
@@ -336,6 +399,10 @@ class AdaptiveConfig(_Strict):
     @property
     def active_depth(self) -> DepthConfig | None:
         return self.depth if self.mode == "on" else None
+
+    @property
+    def active_speculative(self) -> SpeculativeConfig | None:
+        return self.speculative if self.mode == "on" else None
 
 
 def format_validation_error(err: ValidationError, root: str) -> str:

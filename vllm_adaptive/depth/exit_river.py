@@ -58,19 +58,23 @@ def _linear(layer: Any, name: str) -> Any:
 
 
 class ExitRiver:
-    def __init__(self, layers: Any, entry_layer: int, group_size: int, symmetric: bool) -> None:
+    def __init__(
+        self, layers: Any, entry_layer: int, group_size: int, symmetric: bool, bits: int = 4
+    ) -> None:
         """Quantize the linears of blocks ``entry_layer+1 .. L`` (0-based ``entry_layer ..
-        L-1``); run after the weights are loaded."""
+        L-1``); run after the weights are loaded. ``bits`` 8 is per-row symmetric (the layout
+        the int8 kernel reads; ``group_size`` and ``symmetric`` are then unused)."""
         self.entry_layer = entry_layer
-        self.group_size = group_size
-        self.symmetric = symmetric
+        self.bits = bits
+        self.group_size = group_size if bits != 8 else None
+        self.symmetric = symmetric or bits == 8
         self.layers: dict[int, RiverLayer] = {}
         for i in range(entry_layer, len(layers)):
             packed = {}
             for _, name in LINEARS:
                 w = _linear(layers[i], name).weight.detach()
                 packed[name] = quantize(
-                    w, 4, group_size, symmetric=symmetric, check_double_quant=False
+                    w, bits, self.group_size, symmetric=self.symmetric, check_double_quant=False
                 )
             self.layers[i] = RiverLayer(i, packed)
         self.offloaded: dict[str, int] = {}
@@ -79,8 +83,10 @@ class ExitRiver:
 
     @property
     def quantizer(self) -> str:
+        if self.bits == 8:
+            return "int8 per-row sym absmax"
         kind = "sym absmax" if self.symmetric else "asym min/max"
-        return f"int4 g{self.group_size} {kind}"
+        return f"int{self.bits} g{self.group_size} {kind}"
 
     def resident_bytes(self) -> int:
         return sum(

@@ -29,6 +29,16 @@ from vllm_adaptive.precision.install import calibrate_from_prefill, install_prec
 def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -> None:
     """Refuse engine features the adaptive layer loop does not handle yet."""
     spec = vllm_config.speculative_config
+    if adaptive.active_speculative is not None and (
+        spec is None or getattr(spec, "method", None) != "custom_class"
+    ):
+        from vllm_adaptive.config import SELF_SPECULATIVE_PROPOSER
+
+        raise AdaptiveConfigError(
+            "adaptive.speculative: vLLM's speculative_config must name the plugin's proposer: "
+            f'{{"method": "custom_class", "model": "{SELF_SPECULATIVE_PROPOSER}", '
+            '"num_speculative_tokens": k}'
+        )
     if spec is not None and getattr(spec, "method", None) in ("eagle", "eagle3"):
         raise AdaptiveConfigError(
             f"adaptive: speculative method {spec.method!r} needs auxiliary hidden states "
@@ -189,6 +199,8 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         self.adaptive_config = adaptive
         self.precision: PrecisionController | None = None
         self._tokenizer_path = vllm_config.model_config.tokenizer
+        self._model_dir = vllm_config.model_config.model
+        self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
         self.depth: DepthRuntime | None = None
         if adaptive.active_depth is not None:
             from vllm_adaptive.batch_mirror import register_listener
@@ -203,6 +215,17 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         loaded = super().load_weights(weights)
         if self.depth is not None and self.depth.strategy == "river":
             self.depth.build_river(self.model)
+        if self.adaptive_config.active_speculative is not None:
+            # Packed draft weights are made from the float ones, which vLLM's CPU weight
+            # processing (oneDNN prepacking) removes once loading ends.
+            from vllm_adaptive.speculative.drafts import build_draft
+
+            try:
+                self.speculative_draft = build_draft(
+                    self.adaptive_config.active_speculative, self, self._model_dir
+                )
+            except ValueError as e:
+                raise AdaptiveConfigError(str(e)) from None
         if self.adaptive_config.active_precision is not None:
             self.precision = install_precision(
                 self, self.adaptive_config.active_precision, self._tokenizer_path

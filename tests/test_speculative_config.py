@@ -1,0 +1,80 @@
+"""adaptive.speculative: what parses, what is refused (and that the message names the key)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_adaptive.config import (
+    SELF_SPECULATIVE_PROPOSER,
+    AdaptiveConfigError,
+    parse_adaptive_config,
+)
+
+
+def test_defaults_per_draft() -> None:
+    low = parse_adaptive_config({"speculative": {"draft": "lowbit"}}).speculative
+    assert (low.draft_precision, low.head_precision, low.symmetric) == ("int4", "int4", False)
+    early = parse_adaptive_config({"speculative": {"draft": "early", "layers": 8}}).speculative
+    assert (early.layers, early.head_precision) == (8, "full")
+    m = parse_adaptive_config({"speculative": {"draft": "m2r2", "adapter": "/x"}}).speculative
+    assert m.adapter == "/x"
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"draft": "lowbit", "layers": 4}, "layers"),
+        ({"draft": "early", "precision": "int8"}, "precision"),
+        ({"draft": "m2r2"}, "adapter"),
+        ({"draft": "early", "adapter": "/x"}, "adapter"),
+        ({"draft": "medusa"}, "adaptive.speculative.draft"),
+        ({"draft": "early", "layers": 0}, "adaptive.speculative.layers"),
+        ({"draft": "lowbit", "precision": "int2"}, "adaptive.speculative.precision"),
+        ({"draft": "lowbit", "window": 3}, "adaptive.speculative.window: unknown key"),
+    ],
+)
+def test_bad_settings_name_their_key(spec: dict, fragment: str) -> None:
+    with pytest.raises(AdaptiveConfigError, match=fragment):
+        parse_adaptive_config({"speculative": spec})
+
+
+def test_not_combined_with_depth_or_precision() -> None:
+    with pytest.raises(AdaptiveConfigError, match="speculative"):
+        parse_adaptive_config(
+            {"speculative": {"draft": "lowbit"}, "precision": {"policy": "fixed", "gear": "int8"}}
+        )
+
+
+def test_mode_off_disables_the_draft() -> None:
+    cfg = parse_adaptive_config({"mode": "off", "speculative": {"draft": "lowbit"}})
+    assert cfg.speculative is not None and cfg.active_speculative is None
+
+
+def _vllm_config(spec):
+    return SimpleNamespace(
+        speculative_config=spec,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        compilation_config=SimpleNamespace(cudagraph_mode=None),
+        device_config=SimpleNamespace(device=SimpleNamespace(type="cpu")),
+    )
+
+
+def test_engine_start_needs_the_plugin_proposer() -> None:
+    from vllm_adaptive.models.llama import check_engine_compatible
+
+    adaptive = parse_adaptive_config({"speculative": {"draft": "lowbit"}})
+    with pytest.raises(AdaptiveConfigError, match=SELF_SPECULATIVE_PROPOSER):
+        check_engine_compatible(_vllm_config(None), adaptive)
+    with pytest.raises(AdaptiveConfigError, match="custom_class"):
+        check_engine_compatible(_vllm_config(SimpleNamespace(method="ngram")), adaptive)
+    check_engine_compatible(_vllm_config(SimpleNamespace(method="custom_class")), adaptive)
+
+
+def test_proposer_without_settings_is_refused() -> None:
+    from vllm_adaptive.speculative.proposer import SelfSpeculativeProposer
+
+    cfg = SimpleNamespace(additional_config={"adaptive": {}}, speculative_config=None)
+    with pytest.raises(AdaptiveConfigError, match="adaptive.speculative"):
+        SelfSpeculativeProposer(cfg)

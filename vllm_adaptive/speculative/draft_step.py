@@ -1,0 +1,125 @@
+"""The mechanism behind every draft: one token per request through the target model's own
+layers, attention reading and writing the target's own paged KV cache.
+
+After a verification step, request ``r`` knows ``N`` tokens and the cache holds the target's
+K/V for positions ``0 .. N-2`` (the last token, just sampled, has none yet). Draft step ``j``
+feeds token ``N-1+j`` at that position: its K/V go into the slot the target will use for that
+position, and it attends to the target's K/V below it and to the earlier draft positions.
+Nothing the draft writes is ever read by the target: the next verification step processes every
+position from ``N-1`` on and rewrites its K/V (layer by layer, before attention reads them), and
+rejected positions are rewritten when they are reached again. So the draft needs no cache of its
+own: it shares the target's, as M2R2 (A.1.4) shares the slow stream's.
+
+Only slots of blocks the step already holds are used: positions up to the end of the last block
+covering the step's sequence length. A request whose drafts would run past that gets fewer drafts
+this step (vLLM verifies however many a request has). Blocks under those positions belong to the
+request alone: vLLM shares only full blocks of computed tokens.
+
+CPU attention (CPU_ATTN) only, like depth-peeling: its metadata for a batch of one-token queries
+is rebuilt with :func:`vllm_adaptive.depth.peeling.one_token_cpu_metadata`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_adaptive.depth.peeling import CpuSchedulerArgs, one_token_cpu_metadata
+
+
+@dataclass
+class DraftBatch:
+    """Requests that draft this step: batch rows, how many drafts each may make and where they
+    start (the position of the last sampled token)."""
+
+    rows: np.ndarray
+    budget: np.ndarray
+    start: np.ndarray
+
+
+class SharedKVDraftStep:
+    """Captures the target step's attention metadata; gives one-token forward contexts."""
+
+    def __init__(self, model: Any, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        inner = model.model
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in inner.layers]
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.dtype = vllm_config.model_config.dtype
+        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        self._attn = inner.layers[0].self_attn.attn
+        self.sched_args: CpuSchedulerArgs | None = None
+        self.md: Any = None
+
+    def capture(self) -> None:
+        """Called as the target model runs (a forward pre-hook): keep the step's metadata."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        self.md = None
+        if not is_forward_context_available():
+            return
+        md_dict = get_forward_context().attn_metadata
+        if isinstance(md_dict, dict):
+            md = md_dict.get(self.layer_names[0])
+            if md is not None and hasattr(md, "block_table") and hasattr(md, "seq_lens"):
+                self.md = md
+
+    def check_backend(self) -> None:
+        name = self._attn.attn_backend.get_name()
+        if name != "CPU_ATTN":
+            raise RuntimeError(
+                f"adaptive.speculative: drafting into the shared KV cache supports the CPU "
+                f"attention backend (CPU_ATTN); this engine uses {name}"
+            )
+
+    def plan(self, sampled: list[list[int]], num_tokens: np.ndarray, k: int) -> DraftBatch | None:
+        """Which rows draft, and how many tokens each may draft (slots the step holds)."""
+        md = self.md
+        if md is None:
+            return None
+        n_rows = min(len(sampled), int(md.seq_lens.shape[0]))
+        rows = np.array([r for r in range(n_rows) if sampled[r]], dtype=np.int64)
+        if rows.size == 0:
+            return None
+        n = num_tokens[rows].astype(np.int64)
+        seq = md.seq_lens[torch.from_numpy(rows)].cpu().numpy().astype(np.int64)
+        bs = self.block_size
+        capacity = -(-seq // bs) * bs  # end of the last block the step covers
+        budget = np.minimum(k, np.minimum(capacity - n + 1, self.max_model_len - n))
+        keep = budget > 0
+        if not keep.any():
+            return None
+        return DraftBatch(rows[keep], budget[keep], n[keep] - 1)
+
+    @contextmanager
+    def one_token(self, rows: np.ndarray, positions: np.ndarray) -> Iterator[torch.Tensor]:
+        """A forward context where every layer attends one query per row at ``positions``
+        (writing its K/V to that position's slot); yields the positions tensor."""
+        from vllm.forward_context import set_forward_context
+
+        md = self.md
+        if self.sched_args is None:
+            self.sched_args = CpuSchedulerArgs.from_layer(
+                self._attn, self.dtype, self.kv_cache_dtype
+            )
+        dev = md.block_table.device
+        rows_t = torch.from_numpy(rows).to(dev)
+        pos = torch.from_numpy(positions).to(dev)
+        bs = self.block_size
+        blocks = md.block_table[rows_t, pos // bs].long()
+        slots = blocks * bs + pos % bs
+        sub = one_token_cpu_metadata(md, rows_t, pos + 1, slots, self.sched_args)
+        names = self.layer_names
+        with set_forward_context(
+            {name: sub for name in names},
+            self.vllm_config,
+            num_tokens=int(rows.size),
+            slot_mapping={name: sub.slot_mapping for name in names},
+        ):
+            yield pos

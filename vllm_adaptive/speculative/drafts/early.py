@@ -1,0 +1,36 @@
+"""Adapter-free early-layer drafts (LayerSkip's self-speculation, DEED): the first ``depth``
+blocks of the target, then its final norm and LM head. The baseline M2R2's adapters must beat.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_adaptive.speculative.drafts.head import DraftHead
+
+
+class EarlyLayersDraft:
+    def __init__(self, model: Any, depth: int, head_precision: str = "full") -> None:
+        num_layers = len(model.model.layers)
+        if depth >= num_layers:
+            raise ValueError(
+                f"adaptive.speculative.layers: {depth} >= the model's {num_layers} layers "
+                "(a draft as deep as the target saves nothing)"
+            )
+        self.depth = depth
+        self.head = DraftHead(model, head_precision)
+        self.name = f"early{depth}"
+
+    def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        inner = model.model
+        hidden = inner.embed_input_ids(token_ids)
+        residual = None
+        for layer in inner.layers[: self.depth]:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = inner.norm(hidden, residual)
+        return self.head.logits(model, hidden)
+
+    def resident_bytes(self) -> int:
+        return self.head.resident_bytes()

@@ -1,0 +1,70 @@
+"""Low-precision self-drafts: every block of the target with packed int8 / int4 copies of its
+own linear weights (the precision issue's formats and kernels), its own norms, rotary embedding
+and attention modules, and its KV cache. The full-precision model verifies.
+
+On this project's CPU a one-token int4 / int8 matmul with bfloat16 activations is about 3x
+faster than the bf16 one, while verifying k+1 tokens costs about as much as one, which is what
+makes this draft the likeliest lossless speed-up here. With float32 activations the packed
+kernels have no fast path (docs/packed-kernels.md) and the draft is slower than the target.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from vllm_adaptive.config import SpeculativeConfig
+from vllm_adaptive.depth.exit_river import ExitRiver
+from vllm_adaptive.speculative.drafts.head import DraftHead
+
+logger = logging.getLogger("vllm.adaptive.speculative")
+
+
+class LowBitDraft:
+    def __init__(self, model: Any, settings: SpeculativeConfig) -> None:
+        bits = 8 if settings.draft_precision == "int8" else 4
+        layers = model.model.layers
+        # ExitRiver holds packed copies of blocks entry..L-1 and runs a block with them while
+        # sharing the backbone's norms, rotary and attention: entry 0 is the whole model.
+        self.copies = ExitRiver(layers, 0, settings.group_size, settings.symmetric, bits=bits)
+        self.head = DraftHead(
+            model, settings.head_precision, settings.group_size, settings.symmetric
+        )
+        self.name = f"lowbit-{self.copies.quantizer}"
+        if model.lm_head.weight.dtype == torch.float32:
+            logger.warning(
+                "vllm-adaptive speculative: float32 model: packed kernels have no fast float32 "
+                "path on CPU, so the %s draft is slower than the model itself (use bfloat16)",
+                self.copies.quantizer,
+            )
+        self._all: dict[int, torch.Tensor] = {}
+
+    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
+        rows = self._all.get(n)
+        if rows is None or rows.device != device:
+            rows = self._all[n] = torch.arange(n, device=device)
+        return rows
+
+    def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        inner = model.model
+        hidden = inner.embed_input_ids(token_ids)
+        rows = self._rows(hidden.shape[0], hidden.device)
+        residual = None
+        for layer in inner.layers:
+            hidden, residual = self.copies.forward_layer(
+                layer, positions, hidden, residual, rows, None
+            )
+        hidden, _ = inner.norm(hidden, residual)
+        return self.head.logits(model, hidden)
+
+    def resident_bytes(self) -> int:
+        return self.copies.resident_bytes() + self.head.resident_bytes()
+
+
+def describe(draft: Any) -> dict[str, Any]:
+    """What a draft is, for logs and benches."""
+    return {"name": draft.name, "resident_bytes": int(draft.resident_bytes())}
+
+
