@@ -99,7 +99,8 @@ class ExitRiver:
         ``river`` rows (index tensors into ``x``)."""
         lin = _linear(layer, name)
         packed = self.layers[layer_index(layer)].packed[name]
-        xr = x.index_select(0, river).contiguous()
+        # every row in the river (backbone None): no gather
+        xr = x.contiguous() if backbone is None else x.index_select(0, river).contiguous()
         path = choose_path_cached(packed, xr.shape[0], x.dtype)
         yr = bound_kernel(packed, path, x.dtype)(xr)
         if lin.bias is not None:

@@ -1,0 +1,62 @@
+"""M2R2 drafts (sec. 2.1.2, A.2): the accelerated residual stream of the first ``k`` layers.
+
+The stream ``p`` starts from the token embedding and runs the target's own first ``k`` blocks
+with M2R2's low-rank accelerator adapters added (:mod:`vllm_adaptive.m2r2.adapters`: on the
+query, on the attention output and in parallel to the MLP), trained to land at layer ``k``
+where the slow stream lands at layer ``N`` (rate ``N/k``). Its attention shares the target's
+KV cache (A.1.4): positions the target verified hold the slow stream's K/V, draft positions the
+accelerated stream's own. The draft token is read through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_adaptive.config import SpeculativeConfig
+from vllm_adaptive.m2r2.adapters import M2R2Adapters
+from vllm_adaptive.speculative.drafts.head import DraftHead
+
+
+class M2R2Draft:
+    def __init__(self, model: Any, settings: SpeculativeConfig, model_dir: str) -> None:
+        adapters, meta = M2R2Adapters.load(settings.adapter, model_dir)  # refuses other models
+        cfg = adapters.config
+        if cfg.mode != "spec":
+            raise ValueError(
+                f"adaptive.speculative.adapter: {settings.adapter} was trained with --mode "
+                f"{cfg.mode}; drafts need --mode spec"
+            )
+        if settings.layers is not None and settings.layers != cfg.k:
+            raise ValueError(
+                f"adaptive.speculative.layers: {settings.layers}, but the adapter was trained "
+                f"for a draft depth of {cfg.k} (leave layers out)"
+            )
+        w = model.model.embed_tokens.weight
+        self.adapters = adapters.to(device=w.device, dtype=w.dtype).eval()
+        self.depth = cfg.k
+        self.head = DraftHead(model, settings.head_precision)
+        self.name = f"m2r2-k{cfg.k}-r{cfg.rank}"
+        self.meta = meta
+
+    def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        inner, ad = model.model, self.adapters
+        p = inner.embed_input_ids(token_ids)
+        for i, layer in enumerate(inner.layers[: self.depth]):
+            attn = layer.self_attn
+            x = layer.input_layernorm(p)
+            qkv, _ = attn.qkv_proj(x)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = q + ad.delta_q(i, x)
+            q, k = attn.rotary_emb(positions, q, k)
+            a = attn.attn(q, k, v)
+            o, _ = attn.o_proj(a)
+            p = p + o + ad.delta_o(i, a)
+            y = layer.post_attention_layernorm(p)
+            p = p + layer.mlp(y) + ad.delta_mlp(i, y)
+        return self.head.logits(model, inner.norm(p))
+
+    def resident_bytes(self) -> int:
+        params = sum(t.numel() * t.element_size() for t in self.adapters.parameters())
+        return params + self.head.resident_bytes()
