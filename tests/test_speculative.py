@@ -10,6 +10,7 @@ test can fail).
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -200,6 +201,36 @@ def test_early_layer_draft_greedy_identical(model_dir: Path, stock_f32: dict) ->
     from tests.conftest import _shutdown
 
     llm = _spec_engine(model_dir, {"draft": "early", "layers": 4}, 2)
+    try:
+        _check_identity(llm, stock_f32)
+    finally:
+        _shutdown(llm)
+
+
+def test_m2r2_draft_greedy_identical(model_dir: Path, stock_f32: dict, tmp_path: Path) -> None:
+    """The accelerated-stream path (adapters on q, o and the MLP) through a real engine. The
+    adapter has random non-zero up-projections so every delta is exercised; quality of trained
+    adapters is the bench's business (docs/speculative.md)."""
+    import torch
+
+    from tests.conftest import _shutdown
+    from vllm_adaptive.depth.profile import model_fingerprint
+    from vllm_adaptive.m2r2.adapters import AdapterConfig, M2R2Adapters
+
+    cfg = AdapterConfig.from_model_config(
+        json.loads((model_dir / "config.json").read_text()),
+        mode="spec",
+        k=3,
+        rank=4,
+    )
+    adapters = M2R2Adapters.zeros(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, t in adapters.named_parameters():
+            if name.endswith(("q_B", "o_B", "mlp_U")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.02)
+    adapters.save(tmp_path / "adapter", {"model_fingerprint": model_fingerprint(model_dir)})
+    llm = _spec_engine(model_dir, {"draft": "m2r2", "adapter": str(tmp_path / "adapter")}, 3)
     try:
         _check_identity(llm, stock_f32)
     finally:
