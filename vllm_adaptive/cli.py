@@ -35,6 +35,12 @@ def _cmd_corpora_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.spec:
+        if args.config:
+            raise SystemExit("bench: --spec and --config are separate benches (give one kind)")
+        from vllm_adaptive.bench.speculative import run_from_args as run_spec
+
+        return run_spec(args)
     from vllm_adaptive.bench.harness import run_from_args
 
     return run_from_args(args)

@@ -29,6 +29,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="UTF-8 text file for prompts and held-out evaluation (repeatable)",
     )
     p.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="speculative decoding engine (repeatable; switches the bench to speculation, run "
+        'per corpus): {"method": "ngram", "k": 4} or {"draft": {...adaptive.speculative...}, '
+        '"k": 4}',
+    )
+    p.add_argument(
         "--config",
         action="append",
         default=[],

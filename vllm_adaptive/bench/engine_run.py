@@ -77,6 +77,29 @@ def measure_throughput(
     return result
 
 
+def greedy_outputs(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of every prompt in one batch (speculation must not change them)."""
+    from vllm import SamplingParams
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in _generate(llm, prompts, params)]
+
+
+def speculation_metrics(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters over this engine's life (timed runs included)."""
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_"):
+            key = m.name.removeprefix("vllm:spec_decode_")
+            out[key] = list(m.values) if hasattr(m, "values") else m.value
+    drafts, tokens = out.get("num_drafts", 0), out.get("num_draft_tokens", 0)
+    accepted = out.get("num_accepted_tokens", 0)
+    out["acceptance_rate"] = accepted / tokens if tokens else None
+    out["mean_accepted_length"] = 1 + accepted / drafts if drafts else None
+    return out
+
+
 def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Teacher-forced logprobs and greedy tokens for every held-out stream, one batch."""
     from vllm import SamplingParams
@@ -129,6 +152,12 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     # gear telemetry is read with LLM.apply_model (an importable function, pickled by reference)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     t0 = time.perf_counter()
+    speculative = spec.get("speculative_config")
+    extra: dict[str, Any] = {}
+    if speculative:
+        extra = {"speculative_config": speculative, "disable_log_stats": False}
+    if spec["teacher_forcing"]:
+        extra["logits_processors"] = [TeacherForcingLogitsProcessor]
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
@@ -136,7 +165,7 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         seed=spec["seed"],
         max_model_len=spec["max_model_len"],
         additional_config=spec["additional_config"],
-        logits_processors=[TeacherForcingLogitsProcessor],
+        **extra,
     )
     start_s = time.perf_counter() - t0
     _log(f"  engine started in {start_s:.0f} s")
@@ -146,6 +175,10 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
             llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"], spec["repeats"]
         )
     )
+    if spec.get("greedy_outputs"):
+        out["greedy_outputs"] = greedy_outputs(llm, spec["prompts"], spec["max_tokens"])
+    if speculative:
+        out["speculation"] = speculation_metrics(llm)
     if spec["teacher_forcing"]:
         out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
     if spec["additional_config"]:

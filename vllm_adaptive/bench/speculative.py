@@ -1,0 +1,218 @@
+"""`vllm-adaptive bench --spec ...`: speculative decoding against no speculation, per corpus.
+
+Each ``--spec`` is one engine: ``{"method": "ngram", "k": 4}`` (vLLM's built-in prompt-lookup
+proposer) or ``{"draft": {...adaptive.speculative...}, "k": 4}`` (the plugin's self-speculative
+proposer). For every corpus, stock vLLM and every spec engine run the same prompts from that
+corpus; reported per engine and batch size: decode tokens/s and its ratio to stock, acceptance
+rate and mean accepted length (vLLM's own counters), and whether greedy output was identical to
+stock's (speculation is lossless: in float32 it must be; in bfloat16 verification of k+1 tokens
+at once may round differently from one at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_adaptive.bench.corpus import read_corpus
+from vllm_adaptive.config import SELF_SPECULATIVE_PROPOSER, parse_adaptive_config
+
+
+def _log(msg: str) -> None:
+    print(f"[bench-spec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_spec(text: str) -> dict[str, Any]:
+    """One ``--spec`` value, checked before any engine starts."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spec {text!r}: not JSON ({e})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("k"), int) or spec["k"] < 1:
+        raise ValueError(f"--spec {text!r}: needs an integer k >= 1")
+    unknown = set(spec) - {"k", "method", "draft", "label"}
+    if unknown:
+        raise ValueError(f"--spec {text!r}: unknown keys {sorted(unknown)}")
+    if ("method" in spec) == ("draft" in spec):
+        raise ValueError(f'--spec {text!r}: give either "method": "ngram" or "draft": {{...}}')
+    if "method" in spec and spec["method"] != "ngram":
+        raise ValueError(f"--spec {text!r}: the only built-in method benched is ngram")
+    if "draft" in spec:
+        parse_adaptive_config({"speculative": spec["draft"]})
+    return spec
+
+
+def spec_label(spec: dict[str, Any]) -> str:
+    if spec.get("label"):
+        return spec["label"]
+    if "method" in spec:
+        return f"ngram k={spec['k']}"
+    d = spec["draft"]
+    if d["draft"] == "lowbit":
+        q = d.get("precision", "int4")
+        if q == "int4":
+            q += " sym" if d.get("symmetric") else " asym (on grid)"
+        return f"lowbit {q} k={spec['k']}"
+    depth = d.get("layers", "adapter" if d["draft"] == "m2r2" else 4)
+    return f"{d['draft']} {depth} layers k={spec['k']}"
+
+
+def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(additional_config, speculative_config) of one spec engine."""
+    if "method" in spec:
+        cfg = {"method": "ngram", "num_speculative_tokens": spec["k"]}
+        cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        return {}, cfg
+    return {"adaptive": {"speculative": spec["draft"]}}, {
+        "method": "custom_class",
+        "model": SELF_SPECULATIVE_PROPOSER,
+        "num_speculative_tokens": spec["k"],
+    }
+
+
+def _identical(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of requests whose greedy tokens equal stock's."""
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_adaptive.bench.harness import build_workload, run_engine
+
+    specs = [parse_spec(s) for s in args.spec]
+    corpora = [read_corpus(p) for p in args.corpus]
+    max_len = args.prompt_tokens + args.max_tokens + 16
+    results: dict[str, Any] = {"settings": vars(args) | {"func": None}, "corpora": {}}
+    for corpus in corpora:
+        workload = build_workload(args, [corpus])
+
+        def engine(additional: dict, speculative: dict | None, wl=workload) -> dict[str, Any]:
+            return {
+                "model": str(args.model),
+                "dtype": args.dtype,
+                "enforce_eager": args.enforce_eager,
+                "seed": args.seed,
+                "max_model_len": max_len,
+                "kv_cache_gib": args.kv_cache_gib,
+                "additional_config": additional,
+                "speculative_config": speculative,
+                "batch_sizes": args.batch_sizes,
+                "max_tokens": args.max_tokens,
+                "repeats": args.repeats,
+                "teacher_forcing": False,
+                "greedy_outputs": True,
+                "prompts": wl["prompts"],
+                "streams": [],
+            }
+
+        name = Path(corpus.path).name
+        _log(f"{name}: stock vLLM (plugin not loaded)")
+        stock = run_engine("stock", engine({}, None), {"VLLM_PLUGINS": ""})
+        rows = []
+        for spec in specs:
+            label = spec_label(spec)
+            _log(f"{name}: {label}")
+            additional, speculative = engine_settings(spec)
+            raw = run_engine(label, engine(additional, speculative), {})
+            s = raw.get("speculation", {})
+            rows.append(
+                {
+                    "label": label,
+                    "spec": spec,
+                    "decode_tokens_per_s": raw["decode_tokens_per_s"],
+                    "speedup": {
+                        b: raw["decode_tokens_per_s"][b] / stock["decode_tokens_per_s"][b]
+                        for b in stock["decode_tokens_per_s"]
+                    },
+                    "acceptance_rate": s.get("acceptance_rate"),
+                    "mean_accepted_length": s.get("mean_accepted_length"),
+                    "accepted_per_position": s.get("num_accepted_tokens_per_pos"),
+                    "identical_to_stock": _identical(
+                        raw["greedy_outputs"], stock["greedy_outputs"]
+                    ),
+                    "memory": raw.get("memory"),
+                }
+            )
+            r = rows[-1]
+            _log(
+                f"  {label}: "
+                + ", ".join(f"b{b} x{v:.2f}" for b, v in r["speedup"].items())
+                + f", acceptance {r['acceptance_rate'] or 0:.3f}, mean accepted length "
+                f"{r['mean_accepted_length'] or 0:.2f}, identical {r['identical_to_stock']:.2f}"
+            )
+        results["corpora"][name] = {
+            "stock_decode_tokens_per_s": stock["decode_tokens_per_s"],
+            "stock_memory": stock.get("memory"),
+            "runs": rows,
+        }
+    return results
+
+
+def table_markdown(results: dict[str, Any]) -> str:
+    lines = []
+    for name, c in results["corpora"].items():
+        sizes = list(c["stock_decode_tokens_per_s"])
+        stock = ", ".join(f"b{b} {v:.1f}" for b, v in c["stock_decode_tokens_per_s"].items())
+        lines += [
+            f"**{name}** (stock decode tok/s: {stock})",
+            "",
+            "| draft | "
+            + " | ".join(f"ratio b{b}" for b in sizes)
+            + " | acceptance | mean accepted length | greedy identical |",
+            "|---|" + "---|" * (len(sizes) + 3),
+        ]
+        for r in c["runs"]:
+            acc = r["acceptance_rate"]
+            mal = r["mean_accepted_length"]
+            lines.append(
+                f"| {r['label']} | "
+                + " | ".join(f"{r['speedup'][b]:.2f}" for b in sizes)
+                + f" | {acc:.3f} | {mal:.2f} | {r['identical_to_stock']:.2f} |"
+                if acc is not None
+                else f"| {r['label']} | "
+                + " | ".join(f"{r['speedup'][b]:.2f}" for b in sizes)
+                + f" | - | - | {r['identical_to_stock']:.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], out: str) -> None:
+    """Speed-up against acceptance rate, one panel per batch size, marker per corpus."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = next(iter(results["corpora"].values()))
+    sizes = list(first["stock_decode_tokens_per_s"])
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    markers = "os^vD"
+    for ax, b in zip(axes[0], sizes, strict=True):
+        for ci, c in enumerate(results["corpora"].values()):
+            for r in c["runs"]:
+                if r["acceptance_rate"] is None:
+                    continue
+                ax.scatter(r["acceptance_rate"], r["speedup"][b], marker=markers[ci % 5])
+                ax.annotate(r["label"], (r["acceptance_rate"], r["speedup"][b]), fontsize=6)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("acceptance rate (vLLM counters)")
+        ax.set_ylabel("decode tokens/s ratio to stock")
+        ax.set_title(f"batch {b}; markers: " + ", ".join(results["corpora"]))
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    results = run_spec_bench(args)
+    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    md = table_markdown(results)
+    if args.table_md:
+        Path(args.table_md).write_text(md)
+    if args.plot:
+        plot(results, args.plot)
+    print(md)
+    return 0
