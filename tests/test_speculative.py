@@ -114,7 +114,9 @@ def stock_f32(model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lowbit_llm(model_dir: Path):
+def lowbit_llm(model_dir: Path, stock_f32: dict):
+    """Started after the stock engine is gone: each engine re-registers vLLM's Prometheus
+    metrics, and the counters read here must be this engine's."""
     from tests.conftest import _shutdown
 
     # symmetric absmax int4 is off the default model's Q4_1 grid: drafts are often wrong
