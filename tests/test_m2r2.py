@@ -260,9 +260,9 @@ def test_save_load_round_trip_and_refusals(hf_model, model_dir, tmp_path):
 STEPS, HALF = 24, 12
 TRAIN_ARGS = {
     "steps": STEPS,
-    "batch": 4,
+    "batch": 2,
     "seq_len": 64,
-    "lr": 3e-3,
+    "lr": 1e-2,
     "save_every": HALF,
     "val_every": HALF,
     "val_windows": 4,
