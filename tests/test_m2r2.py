@@ -23,6 +23,7 @@ from vllm_adaptive.m2r2.reference import (
     accelerated_layer,
     accelerated_stream,
     apply_rope,
+    draft_logits,
     readout,
     slow_forward,
 )
@@ -89,9 +90,9 @@ def test_zero_adapters_are_the_early_exit_stream(hf_model, ids):
         p1 = accelerated_stream(hf_model, adapters, one, 0, 4)[-1]
         torch.testing.assert_close(p1, one.hidden[4], rtol=1e-5, atol=2e-4)
         # the draft of zero adapters is the early exit at depth k
-        assert torch.equal(
-            readout(hf_model, ps[-1]).argmax(-1), readout(hf_model, slow.hidden[4]).argmax(-1)
-        )
+        early = readout(hf_model, slow.hidden[4]).argmax(-1)
+        assert torch.equal(readout(hf_model, ps[-1]).argmax(-1), early)
+        assert torch.equal(draft_logits(hf_model, adapters, ids).argmax(-1), early)
 
 
 def _naive_accelerated_layer(layer, adapters, i, p, k_slow, v_slow, cos, sin):

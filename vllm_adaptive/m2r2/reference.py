@@ -201,3 +201,13 @@ def accelerated_stream(
 def readout(model, states: torch.Tensor) -> torch.Tensor:
     """Next-token logits of residual states: lm_head(final_norm(states))."""
     return model.lm_head(model.model.norm(states))
+
+
+@torch.no_grad()
+def draft_logits(model, adapters, input_ids: torch.Tensor) -> torch.Tensor:
+    """Spec mode: the accelerated stream's next-token logits at every position of
+    ``input_ids`` [B, T] -> [B, T, vocab] (position t drafts token t+1 from the prefix <= t;
+    the slow K/V of all earlier positions are the base model's)."""
+    k = adapters.config.k
+    slow = slow_forward(model, input_ids, kv_layers=k, greedy=False)
+    return readout(model, accelerated_stream(model, adapters, slow, 0, k)[-1])
