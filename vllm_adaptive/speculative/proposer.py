@@ -51,6 +51,9 @@ class SelfSpeculativeProposer:
         self.draft: Any = None
         self.step: SharedKVDraftStep | None = None
         self.stats = {"steps": 0, "rows": 0, "draft_tokens": 0, "seconds": 0.0}
+        from vllm_adaptive.speculative import cpu_sampling_fix
+
+        cpu_sampling_fix.install()  # random sampling with drafts is wrong on CPU without it
         if self.settings is None:
             logger.info("vllm-adaptive speculative: adaptive.mode is off, no drafts are proposed")
 

@@ -66,5 +66,3 @@ class LowBitDraft:
 def describe(draft: Any) -> dict[str, Any]:
     """What a draft is, for logs and benches."""
     return {"name": draft.name, "resident_bytes": int(draft.resident_bytes())}
-
-
