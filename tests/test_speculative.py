@@ -60,7 +60,7 @@ def greedy_workload(llm) -> dict[str, list[list[int]]]:
     batch = [*PROMPTS, long_prompt]
     lengths = [1, 64, 17, 40, 5, 33, 24]
     out["batch"] = _ids(llm.generate(batch, [_greedy(n) for n in lengths], use_tqdm=False))
-    first = llm.generate([PROMPTS[1]], _greedy(48), use_tqdm=False)[0]
+    first = llm.generate([PROMPTS[1]], _greedy(160), use_tqdm=False)[0]  # fills a 128-slot block
     ids = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
     out["prefix"] = _ids(llm.generate([{"prompt_token_ids": ids}], _greedy(32), use_tqdm=False))
     preempt = [f"Part {k}. " + " ".join(WORDS) for k in range(5)]
