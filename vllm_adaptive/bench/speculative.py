@@ -137,6 +137,13 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             r = rows[-1]
+            results["corpora"][name] = {
+                "stock_decode_tokens_per_s": stock["decode_tokens_per_s"],
+                "stock_memory": stock.get("memory"),
+                "runs": rows,
+            }
+            # written after every engine: a long matrix that is cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
             _log(
                 f"  {label}: "
                 + ", ".join(f"b{b} x{v:.2f}" for b, v in r["speedup"].items())
