@@ -373,6 +373,26 @@ def summarize_all(
     return baseline, runs
 
 
+def engine_spec(
+    args: argparse.Namespace, max_len: int, additional_config: dict[str, Any], **fields: Any
+) -> dict[str, Any]:
+    """What one engine process (``vllm_adaptive.bench.engine_run``) is told to measure: the
+    engine settings shared by every bench, plus ``fields`` (prompts, teacher forcing, ...)."""
+    return {
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
+        "seed": args.seed,
+        "max_model_len": max_len,
+        "kv_cache_gib": args.kv_cache_gib,
+        "additional_config": additional_config,
+        "batch_sizes": args.batch_sizes,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        **fields,
+    }
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     configs = [load_config_arg(c) for c in args.config]  # fail fast on a bad config
     corpora = [read_corpus(p) for p in args.corpus]
@@ -383,23 +403,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     max_len = max(args.ppl_prefix + args.ppl_tokens, args.prompt_tokens + args.max_tokens) + 16
 
     def spec(additional_config: dict[str, Any], teacher_forcing: bool) -> dict[str, Any]:
-        return {
-            "model": str(args.model),
-            "dtype": args.dtype,
-            "enforce_eager": args.enforce_eager,
-            "seed": args.seed,
-            "max_model_len": max_len,
-            "kv_cache_gib": args.kv_cache_gib,
-            "additional_config": additional_config,
-            "batch_sizes": args.batch_sizes,
-            "max_tokens": args.max_tokens,
-            "repeats": args.repeats,
-            "teacher_forcing": teacher_forcing,
-            "prompts": workload["prompts"],
-            "streams": [
-                {"prefix": s["prefix"], "forced": s["forced"]} for s in workload["streams"]
-            ],
-        }
+        return engine_spec(
+            args,
+            max_len,
+            additional_config,
+            teacher_forcing=teacher_forcing,
+            prompts=workload["prompts"],
+            streams=[{"prefix": s["prefix"], "forced": s["forced"]} for s in workload["streams"]],
+        )
 
     # Engine 0 is stock vLLM with the plugin not loaded; 1.. are the configs.
     # Every round starts fresh engines, in reversed order every other round, so

@@ -80,7 +80,7 @@ def _identical(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_adaptive.bench.harness import build_workload, run_engine
+    from vllm_adaptive.bench.harness import build_workload, engine_spec, run_engine
 
     specs = [parse_spec(s) for s in args.spec]
     corpora = [read_corpus(p) for p in args.corpus]
@@ -90,23 +90,16 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
         workload = build_workload(args, [corpus])
 
         def engine(additional: dict, speculative: dict | None, wl=workload) -> dict[str, Any]:
-            return {
-                "model": str(args.model),
-                "dtype": args.dtype,
-                "enforce_eager": args.enforce_eager,
-                "seed": args.seed,
-                "max_model_len": max_len,
-                "kv_cache_gib": args.kv_cache_gib,
-                "additional_config": additional,
-                "speculative_config": speculative,
-                "batch_sizes": args.batch_sizes,
-                "max_tokens": args.max_tokens,
-                "repeats": args.repeats,
-                "teacher_forcing": False,
-                "greedy_outputs": True,
-                "prompts": wl["prompts"],
-                "streams": [],
-            }
+            return engine_spec(
+                args,
+                max_len,
+                additional,
+                speculative_config=speculative,
+                teacher_forcing=False,
+                greedy_outputs=True,
+                prompts=wl["prompts"],
+                streams=[],
+            )
 
         name = Path(corpus.path).name
         _log(f"{name}: stock vLLM (plugin not loaded)")

@@ -63,7 +63,7 @@ class SelfSpeculativeProposer:
         own weights (no second checkpoint) and watch its steps for their attention metadata."""
         if self.settings is None:
             return
-        from vllm_adaptive.speculative.drafts.lowbit import describe
+        from vllm_adaptive.speculative.drafts import describe
 
         draft = getattr(model, "speculative_draft", None)
         if draft is None:

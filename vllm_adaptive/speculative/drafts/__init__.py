@@ -25,3 +25,8 @@ def build_draft(settings: SpeculativeConfig, model: Any, model_dir: str) -> Any:
     from vllm_adaptive.speculative.drafts.m2r2 import M2R2Draft
 
     return M2R2Draft(model, settings, model_dir)
+
+
+def describe(draft: Any) -> dict[str, Any]:
+    """What a draft is, for logs and benches."""
+    return {"name": draft.name, "resident_bytes": int(draft.resident_bytes())}

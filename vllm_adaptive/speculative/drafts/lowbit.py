@@ -61,8 +61,3 @@ class LowBitDraft:
 
     def resident_bytes(self) -> int:
         return self.copies.resident_bytes() + self.head.resident_bytes()
-
-
-def describe(draft: Any) -> dict[str, Any]:
-    """What a draft is, for logs and benches."""
-    return {"name": draft.name, "resident_bytes": int(draft.resident_bytes())}
