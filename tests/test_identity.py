@@ -33,7 +33,12 @@ def test_plugin_off_loads_stock_class(plugin_off_llm) -> None:
 def test_adaptive_section_selects_adaptive_class(adaptive_llm) -> None:
     (info,) = adaptive_llm.apply_model(describe_model)
     assert info["class"] == "vllm_adaptive.models.llama.AdaptiveLlamaForCausalLM"
-    assert info["adaptive_config"] == {"mode": "on", "precision": None, "depth": None}
+    assert info["adaptive_config"] == {
+        "mode": "on",
+        "precision": None,
+        "depth": None,
+        "speculative": None,
+    }
 
 
 def test_plugin_off_identical_to_stock(plugin_off_llm, stock_reference: dict) -> None:
