@@ -162,7 +162,7 @@ class RefreshConfig(_Strict):
     raise_layers: int = Field(ge=1)
 
 
-SignalName = Literal["emad", "quicksilver", "river"]
+SignalName = Literal["emad", "quicksilver", "river", "arla"]
 
 
 class QuickSilverSignalConfig(_Strict):
@@ -213,15 +213,30 @@ class RiverSignalConfig(_Strict):
     """L_s: the first layer a token may exit at."""
 
 
+class ArlaSignalConfig(_Strict):
+    """M2R2's ARLA router on the accelerated residual stream (``policies/arla.py``; the stream is
+    computed by ``depth/accelerated.py``): exit at gate E_j when the router's exit probability
+    is above ``threshold``. Checked at engine start: an exit-mode adapter made for this model
+    whose gates are probe layers of the profile."""
+
+    adapter: str = Field(min_length=1)
+    """Directory written by ``vllm-adaptive train m2r2 --mode exit``."""
+    threshold: float = Field(0.5, gt=0.0, lt=1.0)
+    """Exit when P(exit) > threshold (the router was trained with BCE on "the gate's
+    accelerated argmax is the full model's greedy token")."""
+
+
 class SignalConfig(_Strict):
     """Which exit signal decides (``policy``), or several combined (``combine``)."""
 
     policy: tuple[SignalName, ...] = Field(("emad",), strict=False)
-    """"emad" (default), "quicksilver", "river", or a list of them."""
+    """"emad" (default), "quicksilver", "river", "arla" (alone), or a list of the first three."""
     combine: Literal["all", "any"] = "all"
     """With several signals: "all" must agree, or "any" suffices."""
     quicksilver: QuickSilverSignalConfig = QuickSilverSignalConfig()
     river: RiverSignalConfig = RiverSignalConfig()
+    arla: ArlaSignalConfig | None = None
+    """Settings of "arla" (required with it: ``{"adapter": DIR}``)."""
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -236,9 +251,19 @@ class SignalConfig(_Strict):
             raise ValueError(f"policy lists a signal twice: {list(self.policy)}")
         if "combine" in self.model_fields_set and len(self.policy) < 2:
             raise ValueError('"combine" needs at least two signals in "policy"')
-        for name in ("quicksilver", "river"):
+        for name in ("quicksilver", "river", "arla"):
             if name in self.model_fields_set and name not in self.policy:
                 raise ValueError(f'"{name}" settings given but "policy" does not use {name}')
+        if "arla" in self.policy:
+            if len(self.policy) > 1:
+                # its exits emit the accelerated stream's state, the others' the calibrated
+                # readout of the slow one; a combination would have to say whose exit it was
+                raise ValueError('"arla" cannot be combined with other signals yet')
+            if self.arla is None:
+                raise ValueError(
+                    'policy "arla" needs "arla": {"adapter": DIR} '
+                    "(vllm-adaptive train m2r2 --mode exit --out DIR)"
+                )
         return self
 
 

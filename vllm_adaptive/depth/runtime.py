@@ -12,6 +12,10 @@ policies it calls. One step:
    whose proxy entropy passes the threshold stop. Their output is the calibrated readout
    `a_l * RMSNorm(h) + b_l`, which vLLM's `compute_logits` and sampler then use unchanged.
    The rest continue as one smaller batch with attention metadata sliced to them.
+   With the ARLA signal (M2R2), at the first block of each gate interval the exit candidates
+   at its gate first run the accelerated stream (`accelerated.py`) on the shared KV cache;
+   ARLA reads those states at the gate, and a row it exits emits the final norm of the
+   accelerated state instead of the calibrated readout.
 3. Commit: every slot written this step records how many layers it got.
 """
 
@@ -25,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_adaptive.depth.accelerated import AcceleratedStash, AcceleratedStream
 from vllm_adaptive.depth.backfill import ExitStateStore, backfill, propagate_kv
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.exit_river import ExitRiver
@@ -36,7 +41,7 @@ from vllm_adaptive.depth.peeling import (
     subset_cpu_metadata,
     token_index,
 )
-from vllm_adaptive.depth.policies.build import build_exit_signal
+from vllm_adaptive.depth.policies.build import build_exit_signal, load_arla_adapters
 from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.requests import DepthRequests
@@ -74,7 +79,11 @@ class EngineCounters:
     masked_steps: int = 0  # steps where some cached slot was masked at some layer
     peels: int = 0
     probe_evals: int = 0  # (token, probe layer) proxy evaluations
+    accelerated_rows: int = 0  # (decode token, gate interval) accelerated streams computed
+    accelerated_token_layers: int = 0  # decode token-layers run on the accelerated stream
+    arla_exits: int = 0  # decode tokens that exited by ARLA (emitting the accelerated state)
     decision_seconds: float = 0.0
+    accelerated_seconds: float = 0.0  # the accelerated stream (ARLA), inside the forward
     peel_seconds: float = 0.0
     forward_seconds: float = 0.0
 
@@ -104,7 +113,19 @@ class DepthRuntime:
         self.requests = DepthRequests(self, config.telemetry_path)
         self.strategy = config.kv_strategy
         self.signal_names = tuple(config.signal.policy)
-        self.signal = build_exit_signal(config.signal, profile, unembed=unembed)
+        self.accelerated: AcceleratedStream | None = None
+        adapters = None
+        if "arla" in self.signal_names:
+            if self.strategy == "river":
+                raise ValueError(
+                    'policy "arla" cannot run with adaptive.depth.kv_strategy "river": the Exit '
+                    "River's layer loop has no accelerated stream (use another kv_strategy)"
+                )
+            adapters = load_arla_adapters(config.signal, profile, vllm_config.model_config.model)
+            self.accelerated = AcceleratedStream(adapters)
+        self.signal = build_exit_signal(
+            config.signal, profile, unembed=unembed, arla_adapters=adapters
+        )
         self.uses_budget = "emad" in self.signal_names
         self.emad_only = self.signal_names == ("emad",)
         self.river: ExitRiver | None = None
@@ -167,6 +188,8 @@ class DepthRuntime:
         self.norm_a, self.norm_b = self.norm_a.to(device), self.norm_b.to(device)
         if hasattr(self.signal, "to"):
             self.signal.to(device)
+        if self.accelerated is not None:
+            self.accelerated.to(device)
         if self.river is not None and self.config.river_settings.offload_backbone:
             self.river.offload_backbone(model.layers)
         logger.info(
@@ -331,8 +354,9 @@ class DepthRuntime:
             cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
         return cand
 
-    def _decide(self, p, count, j, rows, plan, h, res, prev, tok, first, input_ids):
-        """Exit mask for candidate rows ``j`` (their tokens at ``first``) after ``count`` blocks."""
+    def _decide(self, p, count, j, rows, plan, h, res, prev, tok, first, input_ids, acc=None):
+        """Exit mask for candidate rows ``j`` (their tokens at ``first``) after ``count`` blocks;
+        ``acc``: their accelerated states when ``count`` is an ARLA gate."""
         self.counters.probe_evals += int(j.numel())
         ids = None
         if input_ids is not None and self.signal.needs_token_ids:
@@ -345,11 +369,42 @@ class DepthRuntime:
             token_ids=ids,
             readout=lambda x, p=p: self._readout(p, x),
             thresholds=plan.thresholds[rows[j], p].to(h.device),
+            accelerated=acc,
         )
         return self.signal.exit_mask(batch).cpu()
 
     def _needs_prev(self, count: int) -> bool:
         return self.signal.needs_prev_stream and (count in self.probe_index)
+
+    def _accelerate(self, model, ctx, md, plan, rows, cur_qsl, h, res, pos, tok, block):
+        """Before block ``block`` runs: if it starts an ARLA gate interval, the accelerated
+        stream of that interval for the active rows that are exit candidates at its gate."""
+        accel = self.accelerated
+        assert accel is not None and self.sched_args is not None
+        interval = accel.interval_starting_at(block)
+        if interval is None:
+            return None
+        j_gate, start, gate = interval
+        cand = self._candidates(plan, rows, gate, self.probe_index[gate])
+        if not bool(cand.any()):
+            return None
+        j = torch.nonzero(cand).squeeze(1)
+        first = cur_qsl[j].to(h.device)  # decode rows: one token each
+        stream = h[first] if res is None else h[first] + res[first]
+        stash = accel.run(
+            model.layers,
+            ctx,
+            md,
+            self.sched_args,
+            j_gate,
+            rows[j],
+            pos[first],
+            md.slot_mapping[tok[first]],
+            stream,
+        )
+        self.counters.accelerated_rows += int(j.numel())
+        self.counters.accelerated_token_layers += int(j.numel()) * (gate - start)
+        return stash
 
     def _peel(self, model, ctx, md, plan: StepPlan, positions, hidden, input_ids=None):
         L = self.num_layers
@@ -362,8 +417,15 @@ class DepthRuntime:
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
+        stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
         for i, layer in enumerate(model.layers):
             count = i + 1
+            if self.accelerated is not None and any_exit and rows.numel() > 0:
+                t0 = time.perf_counter()
+                got = self._accelerate(model, ctx, md, plan, rows, cur_qsl, h, res, pos, tok, i)
+                if got is not None or self.accelerated.interval_starting_at(i) is not None:
+                    stash = got  # a new interval: the previous one's states are done
+                c.accelerated_seconds += time.perf_counter() - t0
             prev = None
             if any_exit and self._needs_prev(count):
                 prev = h if res is None else h + res  # the block's input stream
@@ -374,11 +436,19 @@ class DepthRuntime:
             t0 = time.perf_counter()
             stop = plan.cap[rows] == count
             cand = self._candidates(plan, rows, count, p)
+            arla_js = arla_p = None
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
                 first = cur_qsl[j].to(h.device)  # decode rows: one token each
-                passed = self._decide(p, count, j, rows, plan, h, res, prev, tok, first, input_ids)
+                acc = None
+                if stash is not None and stash.gate == count:
+                    acc = stash.states_for(rows[j])
+                passed = self._decide(
+                    p, count, j, rows, plan, h, res, prev, tok, first, input_ids, acc
+                )
                 stop[j] |= passed
+                if acc is not None and bool(passed.any()):
+                    arla_js, arla_p = j[passed], acc[passed.to(acc.device), -1]
             c.decision_seconds += time.perf_counter() - t0
             if not bool(stop.any()):
                 continue
@@ -387,6 +457,12 @@ class DepthRuntime:
             ts = token_index(cur_qsl, js).to(h.device)
             stream = h[ts] + res[ts]
             out[tok[ts]] = self._readout(p, stream).to(out.dtype)
+            if arla_js is not None:
+                # ARLA exits emit the accelerated state p_{E_j}, read as the final layer is
+                out[tok[cur_qsl[arla_js].to(h.device)]] = model.norm(arla_p.contiguous()).to(
+                    out.dtype
+                )
+                c.arla_exits += int(arla_js.numel())
             depth[rows[js]] = count
             if self.store is not None:
                 self.store.write(md.slot_mapping[tok[ts]], stream)
@@ -563,10 +639,14 @@ class DepthRuntime:
             "backfilled_kv": c.backfilled_kv,
             "peels": c.peels,
             "probe_evals": c.probe_evals,
+            "accelerated_rows": c.accelerated_rows,
+            "accelerated_token_layers": c.accelerated_token_layers,
+            "arla_exits": c.arla_exits,
             "proxy_rank": int(self.profile.lowrank_v.shape[1]),
             "proxy": self.profile.proxy,
             "decision_seconds": c.decision_seconds,
             "peel_seconds": c.peel_seconds,
+            "accelerated_seconds": c.accelerated_seconds,
             "forward_seconds": c.forward_seconds,
             "requests_finished": self.requests.finished_count,
         }

@@ -4,16 +4,20 @@ Thresholds come from the config when given, else from the profile; a signal whos
 are in neither is refused with a `ProfileError` that says how to get them. QuickSilver's
 protected tokens: the tokenizer's special token ids (recorded in the profile at calibration,
 or passed by the caller) unless ``protect_special_tokens`` is false, plus the configured ids.
+ARLA's routers come with M2R2's exit-mode adapter (`load_arla_adapters`), which the runtime also
+needs for the accelerated stream itself, so it is loaded once and handed to both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from vllm_adaptive.config import SignalConfig
 from vllm_adaptive.depth.exit_profile import ExitProfile
+from vllm_adaptive.depth.policies.arla import ArlaExitSignal
 from vllm_adaptive.depth.policies.combine import CombinedExitSignal
 from vllm_adaptive.depth.policies.emad import EmadExitSignal
 from vllm_adaptive.depth.policies.probe import ExitSignal
@@ -21,6 +25,7 @@ from vllm_adaptive.depth.policies.quicksilver import QuickSilverExitSignal
 from vllm_adaptive.depth.policies.river import RiverExitSignal
 from vllm_adaptive.depth.profile import ProfileError
 from vllm_adaptive.depth.readout import entropy_nats
+from vllm_adaptive.m2r2.adapters import AdapterError, M2R2Adapters
 
 
 def emad_signal(profile: ExitProfile) -> EmadExitSignal:
@@ -39,9 +44,11 @@ def build_exit_signal(
     profile: ExitProfile,
     special_token_ids: Iterable[int] | None = None,
     unembed: torch.Tensor | None = None,
+    arla_adapters: M2R2Adapters | None = None,
 ) -> ExitSignal:
     """One signal, or a `CombinedExitSignal` in the order of ``cfg.policy``. ``unembed``
-    (the LM head's [V, d] weight) is needed only for QuickSilver with the exact entropy."""
+    (the LM head's [V, d] weight) is needed only for QuickSilver with the exact entropy;
+    ``arla_adapters`` (from `load_arla_adapters`) only for ARLA."""
     emad = emad_signal(profile)
     built: list[ExitSignal] = []
     for name in cfg.policy:
@@ -49,6 +56,8 @@ def build_exit_signal(
             built.append(emad)
         elif name == "quicksilver":
             built.append(_quicksilver(cfg, profile, emad, special_token_ids, unembed))
+        elif name == "arla":
+            built.append(_arla(cfg, arla_adapters))
         else:
             built.append(_river(cfg, profile))
     return built[0] if len(built) == 1 else CombinedExitSignal(built, cfg.combine)
@@ -110,3 +119,44 @@ def _river(cfg, profile) -> RiverExitSignal:
         )
     tau = r.tau if r.tau is not None else profile.river_tau
     return RiverExitSignal(tau, r.batch_min, r.entry_layer)
+
+
+def load_arla_adapters(
+    cfg: SignalConfig, profile: ExitProfile, model_dir: str | Path
+) -> M2R2Adapters:
+    """The exit-mode M2R2 adapter ``adaptive.depth.signal.arla.adapter``, checked against the
+    model (`M2R2Adapters.load` refuses another model's) and the profile: the runtime decides
+    only at probe layers, so every gate must be one (ValueError naming the key otherwise)."""
+    key = "adaptive.depth.signal.arla.adapter"
+    if cfg.arla is None:
+        raise ValueError(f'{key}: policy "arla" needs an adapter')
+    try:
+        adapters, _ = M2R2Adapters.load(cfg.arla.adapter, model_dir)
+    except AdapterError as e:
+        raise ValueError(f"{key}: {e}") from None
+    ac = adapters.config
+    if ac.mode != "exit":
+        raise ValueError(
+            f"{key}: {cfg.arla.adapter} was trained with --mode {ac.mode}; the ARLA exit signal "
+            "needs --mode exit (gates and routers)"
+        )
+    if ac.num_layers != profile.num_layers:
+        raise ValueError(
+            f"{key}: made for {ac.num_layers} layers, the profile for {profile.num_layers}"
+        )
+    missing = [g for g in ac.gates if g not in profile.probe_layers]
+    if missing:
+        raise ValueError(
+            f"{key}: gates {missing} of {ac.gates} are not probe layers of profile "
+            f"{profile.path} ({profile.probe_layers}); calibrate with probes at every gate "
+            "(e.g. --probe-every 1) or train the adapter with gates among the probes"
+        )
+    return adapters
+
+
+def _arla(cfg: SignalConfig, adapters: M2R2Adapters | None) -> ArlaExitSignal:
+    if adapters is None or cfg.arla is None:
+        raise ValueError(
+            'adaptive.depth.signal.arla: policy "arla" needs its adapter (load_arla_adapters)'
+        )
+    return ArlaExitSignal(adapters.routers, adapters.config.gates, cfg.arla.threshold)

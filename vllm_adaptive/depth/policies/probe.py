@@ -24,6 +24,8 @@ class ProbeBatch:
     ``layer - 1``; the embeddings for layer 1), i.e. consecutive layers whatever the spacing of
     the probe layers. ``readout`` maps stream rows to the profile's calibrated readout at this
     probe (``a_l * RMSNorm(h) + b_l``), the hidden state the runtime emits if the row exits.
+    ``accelerated``: M2R2's accelerated residual states of the interval ending here, for the
+    ARLA signal at its gates only (`vllm_adaptive/depth/accelerated.py`); None elsewhere.
     """
 
     layer: int  # blocks run so far (1-based), the depth a row exiting here ends at
@@ -34,6 +36,7 @@ class ProbeBatch:
     readout: Callable[[torch.Tensor], torch.Tensor] | None = None  # [m, d] -> [m, d]
     thresholds: torch.Tensor | None = None  # [n] EMAD's per-row thresholds (from the budget)
     forced_halt: torch.Tensor | None = None  # [n] bool: the runtime forces these rows to halt
+    accelerated: torch.Tensor | None = None  # [n, S, d]: p_{E_(j-1)} .. p_{E_j} (ARLA gates)
 
     @property
     def rows(self) -> int:
@@ -54,6 +57,7 @@ class ProbeBatch:
             readout=self.readout,
             thresholds=pick(self.thresholds),
             forced_halt=pick(self.forced_halt),
+            accelerated=pick(self.accelerated),
         )
 
 
