@@ -31,15 +31,18 @@ def _log(msg: str) -> None:
     print(f"[step-cost] {msg}", file=sys.stderr, flush=True)
 
 
-def measure(model: str, dtype: str, max_m: int, decode_tokens: int) -> dict[str, Any]:
-    """Inter-token latency (seconds) per batch size 1..max_m on a stock engine."""
+def measure(
+    model: str, dtype: str, max_m: int, decode_tokens: int, compiled: bool = False
+) -> dict[str, Any]:
+    """Inter-token latency (seconds) per batch size 1..max_m on a stock engine (eager unless
+    ``compiled``: vLLM's default torch.compile, a few minutes to compile here)."""
     os.environ["VLLM_PLUGINS"] = ""  # stock vLLM: the step cost of the model itself
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     from vllm_adaptive.bench.engine_run import measure_throughput
 
-    llm = LLM(model=model, dtype=dtype, enforce_eager=True, seed=0, max_model_len=512)
+    llm = LLM(model=model, dtype=dtype, enforce_eager=not compiled, seed=0, max_model_len=512)
     prompts = [[(17 * i + 31 * j) % 20000 + 100 for j in range(32)] for i in range(max_m)]
     _log(f"{dtype}: steps with 1..{max_m} tokens, {decode_tokens} decode steps each")
     res = measure_throughput(llm, prompts, list(range(1, max_m + 1)), decode_tokens, 2)
@@ -85,11 +88,15 @@ def main() -> None:
     ap.add_argument("--dtype", action="append", choices=["bfloat16", "float32"])
     ap.add_argument("--max-tokens-per-step", type=int, default=9)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default torch.compile")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
+    mode = "compiled" if args.compiled else "eager"
     results = {
-        dtype: measure(args.model, dtype, args.max_tokens_per_step, args.decode_tokens)
+        f"{dtype}, {mode}": measure(
+            args.model, dtype, args.max_tokens_per_step, args.decode_tokens, args.compiled
+        )
         for dtype in args.dtype or ["bfloat16"]
     }
     print("| dtype | " + " | ".join(f"M={m}" for m in results[next(iter(results))]) + " |")
@@ -106,6 +113,8 @@ def main() -> None:
                 )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(args.json.read_text())["itl_s"] if args.json.exists() else {}
+        results = {**old, **results}  # one file for eager and compiled runs
         args.json.write_text(json.dumps({"itl_s": results}, indent=2) + "\n")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
