@@ -151,6 +151,26 @@ def test_lowbit_draft_greedy_identical_to_no_speculation(lowbit_llm, stock_f32: 
     _check_identity(lowbit_llm, stock_f32)
 
 
+def test_request_with_mode_off_gets_no_drafts(lowbit_llm, stock_f32: dict) -> None:
+    """``adaptive_mode: "off"`` turns drafting off for that request only; output unchanged."""
+    from vllm import SamplingParams
+
+    def drafts_for(params) -> tuple[float, list[list[int]]]:
+        before = _metric(lowbit_llm, "vllm:spec_decode_num_draft_tokens")
+        outs = lowbit_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        return _metric(lowbit_llm, "vllm:spec_decode_num_draft_tokens") - before, _ids(outs)
+
+    off = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, extra_args={"adaptive_mode": "off"}
+    )
+    drafted, ids = drafts_for([off, off])
+    assert drafted == 0
+    assert ids == stock_f32["alone"][:2]
+    drafted, ids = drafts_for([off, _greedy(40)])  # one of two drafts: fewer, not none
+    assert 0 < drafted <= 4 * 40
+    assert ids == stock_f32["alone"][:2]
+
+
 def _chi2_critical(df: int, z: float = 3.09) -> float:
     """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

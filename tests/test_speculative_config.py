@@ -78,3 +78,34 @@ def test_proposer_without_settings_is_refused() -> None:
     cfg = SimpleNamespace(additional_config={"adaptive": {}}, speculative_config=None)
     with pytest.raises(AdaptiveConfigError, match="adaptive.speculative"):
         SelfSpeculativeProposer(cfg)
+
+
+def test_requests_sent_with_mode_off_do_not_draft() -> None:
+    """The proposer reads each row's request from the runner that loaded it."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_adaptive.speculative.requests import DraftingRequests, find_model_runner
+
+    def state(**extra) -> SimpleNamespace:
+        return SimpleNamespace(sampling_params=SamplingParams(extra_args=extra or None))
+
+    class Runner:
+        def __init__(self) -> None:
+            self.input_batch = SimpleNamespace(req_ids=["a", "b"])
+            self.requests = {"a": state(adaptive_mode="off"), "b": state(adaptive_request_tag="t")}
+
+        def load_model(self, proposer_load):
+            return proposer_load()
+
+    runner = Runner()
+    found = runner.load_model(lambda: find_model_runner(depth=1))
+    assert found is runner
+    reqs = DraftingRequests(found)
+    assert reqs.drafting(2) == [False, True]
+    runner.input_batch.req_ids = ["b", "a"]  # rows moved
+    assert reqs.drafting(2) == [True, False]
+    assert reqs.drafting(3) == [True, True, True]  # not the batch's step (a dummy run): all draft
+    with pytest.raises(RuntimeError, match="model runner"):
+        DraftingRequests(object())

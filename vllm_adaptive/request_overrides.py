@@ -36,7 +36,8 @@ class RequestOverrides(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     mode: Literal["off"] | None = None
-    """"off": run this request with every adaptive mechanism disabled (full precision)."""
+    """"off": run this request with every adaptive mechanism disabled (full precision, full
+    depth; on a self-speculative engine the request gets no drafts)."""
     gear: Literal["low", "mid", "high"] | None = None
     """Pin this request's precision gear level (engines with ``adaptive.precision``)."""
     depth_budget: float | None = Field(None, gt=0.0, le=1.0)

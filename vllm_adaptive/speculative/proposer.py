@@ -30,8 +30,12 @@ from vllm_adaptive.config import (
     adaptive_config_from_vllm,
 )
 from vllm_adaptive.speculative.draft_step import SharedKVDraftStep
+from vllm_adaptive.speculative.requests import DraftingRequests, find_model_runner
 
 logger = logging.getLogger("vllm.adaptive.speculative")
+
+#: How often the proposer logs what drafting costs (draft steps).
+LOG_EVERY_STEPS = 256
 
 
 class SelfSpeculativeProposer:
@@ -50,7 +54,8 @@ class SelfSpeculativeProposer:
         self.model: Any = None
         self.draft: Any = None
         self.step: SharedKVDraftStep | None = None
-        self.stats = {"steps": 0, "rows": 0, "draft_tokens": 0, "seconds": 0.0}
+        self.requests: DraftingRequests | None = None
+        self.stats = {"steps": 0, "rows": 0, "draft_tokens": 0, "positions": 0, "seconds": 0.0}
         from vllm_adaptive.speculative import cpu_sampling_fix
 
         cpu_sampling_fix.install()  # random sampling with drafts is wrong on CPU without it
@@ -76,6 +81,9 @@ class SelfSpeculativeProposer:
         self.step = SharedKVDraftStep(model, self.vllm_config)
         self.step.check_backend()
         model.register_forward_pre_hook(lambda _module, _args: self.step.capture())
+        # per-request adaptive_mode "off": the runner calling us knows which request is in
+        # which batch row (the custom_class interface passes rows only)
+        self.requests = DraftingRequests(find_model_runner())
         info = describe(self.draft)
         logger.info(
             "vllm-adaptive speculative: draft %s, k=%d, %.1f MB of draft weights",
@@ -93,11 +101,14 @@ class SelfSpeculativeProposer:
         slot_mappings: Any = None,
         **_: Any,
     ) -> list[list[int]]:
-        """Up to ``k`` greedy draft tokens for each request that sampled this step."""
+        """Up to ``k`` greedy draft tokens for each request that sampled this step (requests
+        sent with ``adaptive_mode: "off"`` excepted)."""
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self.draft is None or self.step is None:
+        if self.draft is None or self.step is None or self.requests is None:
             return drafts
-        batch = self.step.plan(sampled_token_ids, num_tokens_no_spec, self.k)
+        on = self.requests.drafting(len(sampled_token_ids))
+        sampled = [s if d else [] for s, d in zip(sampled_token_ids, on, strict=True)]
+        batch = self.step.plan(sampled, num_tokens_no_spec, self.k)
         if batch is None:
             return drafts
         t0 = time.perf_counter()
@@ -119,4 +130,15 @@ class SelfSpeculativeProposer:
         self.stats["rows"] += int(batch.rows.size)
         self.stats["draft_tokens"] += int(batch.budget.sum())
         self.stats["seconds"] += time.perf_counter() - t0
+        self.stats["positions"] += int(batch.budget.max())
+        if self.stats["steps"] % LOG_EVERY_STEPS == 0:
+            s = self.stats
+            logger.info(
+                "vllm-adaptive speculative: %d steps, %d draft tokens for %d rows, %.1f ms per "
+                "draft position (one batched one-token pass of the draft)",
+                s["steps"],
+                s["draft_tokens"],
+                s["rows"],
+                1e3 * s["seconds"] / max(s["positions"], 1),
+            )
         return drafts
