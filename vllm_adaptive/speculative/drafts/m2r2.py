@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vllm_adaptive.config import SpeculativeConfig
+from vllm_adaptive.depth.accelerated import accelerated_block
 from vllm_adaptive.m2r2.adapters import M2R2Adapters
 from vllm_adaptive.speculative.drafts.head import DraftHead
 
@@ -41,20 +42,10 @@ class M2R2Draft:
         self.meta = meta
 
     def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        inner, ad = model.model, self.adapters
+        inner = model.model
         p = inner.embed_input_ids(token_ids)
         for i, layer in enumerate(inner.layers[: self.depth]):
-            attn = layer.self_attn
-            x = layer.input_layernorm(p)
-            qkv, _ = attn.qkv_proj(x)
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q = q + ad.delta_q(i, x)
-            q, k = attn.rotary_emb(positions, q, k)
-            a = attn.attn(q, k, v)
-            o, _ = attn.o_proj(a)
-            p = p + o + ad.delta_o(i, a)
-            y = layer.post_attention_layernorm(p)
-            p = p + layer.mlp(y) + ad.delta_mlp(i, y)
+            p = accelerated_block(layer, self.adapters, i, positions, p)
         return self.head.logits(model, inner.norm(p))
 
     def resident_bytes(self) -> int:
