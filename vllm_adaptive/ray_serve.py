@@ -22,13 +22,14 @@ module needs Ray (the ``ray`` extra); the plugin itself never imports it.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
-from vllm.logger import init_logger
 
-logger = init_logger("vllm.adaptive.ray_serve")  # under "vllm" so vLLM's log config shows it
+# Under "vllm", so vLLM's handlers (configured when the replica imports vllm) show it.
+logger = logging.getLogger("vllm.adaptive.ray_serve")
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
