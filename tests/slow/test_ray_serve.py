@@ -102,10 +102,23 @@ def _reports(handle, replicas: int, tries: int = 60) -> dict[int, dict[str, Any]
     raise AssertionError(f"only {len(seen)} of {replicas} replicas answered in {tries} calls")
 
 
+def _start_ray() -> None:
+    """A local Ray cluster. Ray waits a hard-coded 30 s for its raylet to register, which a
+    loaded 2-core machine can miss ("The current node timed out during startup"): try 3 times."""
+    for attempt in range(3):
+        try:
+            ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:  # Ray raises a bare Exception here
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+
+
 @pytest.fixture(scope="module")
 def ray_serve_app(model_dir: Path):
     port = _free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    _start_ray()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = _application(model_dir)
