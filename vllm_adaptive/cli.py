@@ -47,6 +47,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.smoothing:
+        from vllm_adaptive.precision.smoothing import calibrate_smoothing
+
+        out = calibrate_smoothing(
+            args.model,
+            args.corpus,
+            args.out,
+            tokens=args.tokens,
+            window=args.window,
+            progress=not args.quiet,
+        )
+        print(out)
+        return 0
     from vllm_adaptive.depth.calibrate import run_from_args
 
     return run_from_args(args)
@@ -87,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vllm_adaptive.depth.args import add_calibrate_arguments
 
-    calib = sub.add_parser("calibrate", help="offline EMAD adaptive-depth calibration profile")
+    calib = sub.add_parser(
+        "calibrate",
+        help="offline calibration: an adaptive-depth profile (EMAD and exit signals), or with "
+        "--smoothing a W8A8 smoothing profile",
+    )
     add_calibrate_arguments(calib)
     calib.set_defaults(func=_cmd_calibrate)
 

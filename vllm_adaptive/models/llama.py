@@ -228,7 +228,7 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
                 raise AdaptiveConfigError(str(e)) from None
         if self.adaptive_config.active_precision is not None:
             self.precision = install_precision(
-                self, self.adaptive_config.active_precision, self._tokenizer_path
+                self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
             )
         return loaded
 
