@@ -65,6 +65,27 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_kernels_measure(args: argparse.Namespace) -> int:
+    from vllm_adaptive.kernels.measure import run_from_args
+
+    return run_from_args(args)
+
+
+def _cmd_kernels_dispatch(args: argparse.Namespace) -> int:
+    import json
+
+    from vllm_adaptive.kernels import autotune
+
+    table = autotune.DispatchTable.for_this_machine()
+    print(
+        json.dumps(
+            {"machine": autotune.cpu_info(), "cache": str(table.path), "dispatch": table.summary()},
+            indent=1,
+        )
+    )
+    return 0
+
+
 def _cmd_train_m2r2(args: argparse.Namespace) -> int:
     from vllm_adaptive.m2r2.train import run_from_args
 
@@ -107,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_calibrate_arguments(calib)
     calib.set_defaults(func=_cmd_calibrate)
+
+    kernels = sub.add_parser("kernels", help="CPU linear kernels on this machine")
+    kernels_sub = kernels.add_subparsers(dest="kernels_command", required=True)
+    kmeasure = kernels_sub.add_parser(
+        "measure", help="time every float32-activation kernel at the default model's shapes"
+    )
+    kmeasure.add_argument("--tokens", default="1,8,32", help="token counts (default 1,8,32)")
+    kmeasure.add_argument("--json", metavar="OUT.json", help="write the measurements here")
+    kmeasure.add_argument("--quiet", action="store_true", help="only the table")
+    kmeasure.set_defaults(func=_cmd_kernels_measure)
+    kdispatch = kernels_sub.add_parser(
+        "dispatch", help="the kernel choices engines measured on this machine (cached table)"
+    )
+    kdispatch.set_defaults(func=_cmd_kernels_dispatch)
 
     from vllm_adaptive.m2r2.args import add_m2r2_arguments
 

@@ -445,11 +445,15 @@ class AdaptiveConfig(_Strict):
                 '"precision" and "depth" cannot be combined yet: gear plans are made per '
                 "token for the whole step, depth-peeling shrinks the batch inside the step"
             )
-        if self.speculative is not None and (self.precision is not None or self.depth is not None):
+        if self.speculative is not None and (
+            self.depth is not None
+            or (self.precision is not None and self.precision.policy != "fixed")
+        ):
             raise ValueError(
-                '"speculative" cannot be combined with "precision" or "depth": verification '
-                "scores several tokens per request per step (the draft already runs low "
-                'precision or few layers: see "speculative.draft")'
+                '"speculative" cannot be combined with "depth" or with an entropy-routed '
+                '"precision" policy: verification scores several tokens per request per step (the '
+                'draft already runs low precision or few layers: see "speculative.draft"; a '
+                'target at one fixed precision, e.g. {"policy": "fixed", "gear": "fp16"}, works)'
             )
         return self
 

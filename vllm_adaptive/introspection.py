@@ -29,3 +29,11 @@ def depth_telemetry(model: Any) -> dict[str, Any] | None:
     """Engine exit statistics and per-request depth records of an adaptive-depth engine."""
     runtime = getattr(model, "depth", None)
     return runtime.requests.telemetry() if runtime is not None else None
+
+
+def kernel_dispatch(model: Any) -> dict[str, Any]:
+    """The float-activation kernels this worker measured and picked per format, shape and
+    token-count bucket, and the machine they were measured on (``kernels/autotune.py``)."""
+    from vllm_adaptive.kernels import autotune
+
+    return {"machine": autotune.cpu_info(), "dispatch": autotune.table().summary()}

@@ -155,3 +155,23 @@ def test_cpu_info_names_the_isa() -> None:
     assert isinstance(info["isa"], list)
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert "avx2" in info["isa"]
+
+
+def test_bound_kernels_outlive_their_weight_object() -> None:
+    """A bound W8A8 kernel keeps its native oneDNN handler alive (a freed handler segfaults,
+    so this runs in a child process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, torch\n"
+        "from vllm_adaptive.kernels.float_linear import W8A8Weight\n"
+        "q = W8A8Weight.from_float(torch.randn(64, 128) * 0.02)\n"
+        "fns = [q.bind(k) for k in q.kernels()]\n"
+        "del q; gc.collect()\n"
+        "x = torch.randn(3, 128)\n"
+        "print([tuple(fn(x).shape) for fn in fns])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(3, 64)" in proc.stdout

@@ -95,8 +95,9 @@ class Fp16Weight:
     def keep_only(self, kernels: set[str]) -> None:
         """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
         for key in list(self.prepared):
-            name = key[1] if isinstance(key, tuple) else key
-            if name not in kernels:
+            if isinstance(key, tuple) and key[0] == "tokens":
+                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
+            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
                 del self.prepared[key]
 
     def resident_bytes(self) -> int:
@@ -201,7 +202,8 @@ class W8A8Weight:
         n = self.shape[0]
         if kernel == "onednn":
             quant, mm = torch.ops._C.dynamic_scaled_int8_quant, torch.ops._C.onednn_scaled_mm
-            handle = self.prepared[kernel].handler_tensor
+            # the handler object owns the oneDNN primitive (freed with it): keep it alive
+            handler = self.prepared[kernel]
 
             def run(x: torch.Tensor) -> torch.Tensor:
                 if inv is not None:
@@ -211,7 +213,7 @@ class W8A8Weight:
                 xs = torch.empty((m, 1), dtype=torch.float32)
                 quant(xq, x, xs, None)
                 out = torch.empty((m, n), dtype=torch.float32)
-                mm(out, xq, xs, None, None, None, handle)
+                mm(out, xq, xs, None, None, None, handler.handler_tensor)
                 return out
 
             return run
@@ -243,8 +245,9 @@ class W8A8Weight:
     def keep_only(self, kernels: set[str]) -> None:
         """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
         for key in list(self.prepared):
-            name = key[1] if isinstance(key, tuple) else key
-            if name not in kernels:
+            if isinstance(key, tuple) and key[0] == "tokens":
+                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
+            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
                 del self.prepared[key]
 
     def resident_bytes(self) -> int:

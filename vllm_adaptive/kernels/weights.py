@@ -90,10 +90,14 @@ def linear(weight: Weight, x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(0, weight.shape[0])
     xc = x if x.is_contiguous() else x.contiguous()
     if isinstance(weight, FLOAT_FORMATS):
-        name = kernel_name(weight, x.shape[0], x.dtype)
-        fn = weight.prepared.get(("bound", name))
+        m = x.shape[0]
+        fn = weight.prepared.get(("tokens", m))  # hot path: one dict lookup per call
         if fn is None:
-            fn = weight.prepared[("bound", name)] = weight.bind(name)
+            name = kernel_name(weight, m, x.dtype)
+            fn = weight.prepared.get(("bound", name))
+            if fn is None:
+                fn = weight.prepared[("bound", name)] = weight.bind(name)
+            weight.prepared[("tokens", m)] = fn
         y = fn(xc if xc.dtype == torch.float32 else xc.float())
         return y if y.dtype == x.dtype else y.to(x.dtype)
     path = choose_path_cached(weight, x.shape[0], x.dtype)

@@ -57,10 +57,11 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             )
     if adaptive.active_precision is None:
         return
-    if spec is not None:
+    if spec is not None and adaptive.active_precision.policy != "fixed":
         raise AdaptiveConfigError(
             "adaptive.precision: speculative decoding scores several tokens per request per "
-            "step; gear control needs one sampled row per request (turn one of them off)"
+            'step; gear control needs one sampled row per request (use policy "fixed" with '
+            "speculation, or turn one of them off)"
         )
     cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if (
