@@ -15,7 +15,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from vllm_adaptive.precision.gears import GEARBX_GEARS, QUICKSILVER_GEARS, Precision, precision_rank
+from vllm_adaptive.precision.gears import (
+    GEARBX_GEARS,
+    GEARBX_GEARS_F32,
+    QUICKSILVER_GEARS,
+    Precision,
+    precision_rank,
+)
 from vllm_adaptive.precision.policies.gearbx import GearbxSettings
 from vllm_adaptive.precision.policies.quicksilver import QuickSilverSettings
 from vllm_adaptive.strict_model import StrictModel
@@ -73,8 +79,9 @@ class PrecisionConfig(_Strict):
     gear: Precision | None = None
     """policy "fixed": the precision every managed linear runs."""
     gears: GearMap | None = Field(None, strict=False)
-    """(low, mid, high) precisions; default (int4, int8, full) for gearbx, (int2, int4, int8)
-    for quicksilver."""
+    """(low, mid, high) precisions; default for gearbx (int4, int8, full) with bf16 / fp16
+    activations and (w8a8, fp16, full) with float32 ones (the fast kernels for each), and
+    (int2, int4, int8) for quicksilver."""
     routing: Literal["step", "token"] | None = None
     """"step": one gear per step for the whole batch (the most demanding request decides);
     "token": each token runs its request's gear, tokens grouped by gear. Default: step for
@@ -113,7 +120,9 @@ class PrecisionConfig(_Strict):
     def _check(self) -> PrecisionConfig:
         if self.policy == "fixed":
             if self.gear is None:
-                raise ValueError('policy "fixed" needs "gear" (full, int8, int4 or int2)')
+                raise ValueError(
+                    'policy "fixed" needs "gear" (full, fp16, int8, w8a8, int4 or int2)'
+                )
             if self.gears is not None or self.layer_groups:
                 raise ValueError('policy "fixed" takes "gear", not "gears"/"layer_groups"')
         elif self.gear is not None:
@@ -124,11 +133,18 @@ class PrecisionConfig(_Strict):
             _check_gear_order(self.head_gears, "head_gears")
             if "lm_head" not in self.modules:
                 raise ValueError('"head_gears" needs "lm_head" in "modules"')
-        if self.smoothing is not None and "w8a8" not in {
-            *self.level_gears,
-            *(p for g in self.layer_groups for p in g.gears),
-            *(self.head_gears or ()),
-        }:
+        if (
+            self.smoothing is not None
+            and (self.gears is not None or self.policy != "gearbx")
+            and (
+                "w8a8"
+                not in {
+                    *self.level_gears,
+                    *(p for g in self.layer_groups for p in g.gears),
+                    *(self.head_gears or ()),
+                }
+            )
+        ):
             raise ValueError('"smoothing" applies to the w8a8 precision, which no gear uses')
         if self.group_size is not None and self.group_size not in (32, 64, 128, 256):
             raise ValueError("group_size must be one of 32, 64, 128, 256 or null (per row)")
@@ -141,6 +157,24 @@ class PrecisionConfig(_Strict):
         if self.quicksilver.tau_low >= self.quicksilver.tau_high:
             raise ValueError("quicksilver.tau_low must be below quicksilver.tau_high")
         return self
+
+    def for_dtype(self, dtype_name: str) -> PrecisionConfig:
+        """This config with the dtype-dependent defaults filled in (``dtype_name``: the
+        model's activation dtype, e.g. "float32"); errors name the key."""
+        if self.gears is not None or self.policy != "gearbx" or dtype_name != "float32":
+            resolved = self
+        else:
+            resolved = self.model_copy(update={"gears": GEARBX_GEARS_F32})
+        if resolved.smoothing is not None and "w8a8" not in {
+            *resolved.level_gears,
+            *(p for g in resolved.layer_groups for p in g.gears),
+            *(resolved.head_gears or ()),
+        }:
+            raise ValueError(
+                f'"smoothing" applies to the w8a8 precision; the gears of this {dtype_name} '
+                f"engine are {list(resolved.level_gears)}"
+            )
+        return resolved
 
     @property
     def level_gears(self) -> GearMap:

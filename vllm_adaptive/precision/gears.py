@@ -27,7 +27,10 @@ LEVELS = 3
 LOW, MID, HIGH = 0, 1, 2
 LEVEL_NAMES = ("low", "mid", "high")
 
-GEARBX_GEARS: tuple[str, str, str] = ("int4", "int8", "full")
+GEARBX_GEARS: tuple[str, str, str] = ("int4", "int8", "full")  # bf16 / fp16 activations
+#: float32 activations: weight-only int4 / int8 kernels need bf16 activations to be fast on CPU,
+#: W8A8 and fp16 weights have fast float32 kernels (kernels/float_linear.py)
+GEARBX_GEARS_F32: tuple[str, str, str] = ("w8a8", "fp16", "full")
 QUICKSILVER_GEARS: tuple[str, str, str] = ("int2", "int4", "int8")
 
 

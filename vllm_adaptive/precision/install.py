@@ -59,6 +59,13 @@ def install_precision(
     """Quantize every managed linear (and the LM head) into its tiers and route it through the
     geared method; measure the float-activation kernels on this machine (``max_tokens``: the
     largest token count worth measuring)."""
+    from vllm_adaptive.config import AdaptiveConfigError
+
+    dtype_name = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    try:
+        cfg = cfg.for_dtype(dtype_name)
+    except ValueError as e:
+        raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
     num_layers = model.config.num_hidden_layers
     for g in cfg.layer_groups:
         if g.layers[1] > num_layers:
