@@ -18,6 +18,18 @@ from pathlib import Path
 from typing import Any
 
 
+def pss_bytes(pid: int) -> int | None:
+    """Pss of a process from /proc/<pid>/smaps_rollup (None if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class EngineFailed(RuntimeError):
     pass
 
@@ -55,6 +67,11 @@ class EngineProcess:
         ready = self._read()
         self.engine_start_s: float = ready["engine_start_s"]
         self.pids: dict[str, int] = ready["pids"]
+
+    def footprint_bytes(self) -> int:
+        """Proportional set size (Pss) of the engine's processes now: its share of memory,
+        shared libraries split between the processes that map them."""
+        return sum(pss_bytes(pid) or 0 for pid in set(self.pids.values()))
 
     def _read(self) -> dict[str, Any]:
         line = self._replies.readline()

@@ -566,18 +566,18 @@ def _eta(t0: float, done: int, total: int) -> str:
     return f" ({done}/{total}, about {left / 60:.1f} min left)"
 
 
-def _check_memory(started: int, total: int, before: int | None, margin: int = 1 << 30) -> None:
-    """Refuse to start more live engines than memory holds (estimated from the last start)."""
-    after = mem_available_bytes()
-    if before is None or after is None or started >= total:
+def _check_memory(started: int, total: int, footprint: int, margin: int = 1 << 30) -> None:
+    """Refuse to start more live engines than memory holds, estimated from the footprint (Pss
+    of its processes) of the engine started last."""
+    available = mem_available_bytes()
+    if available is None or started >= total:
         return
-    used = max(before - after, 0)
-    need = used * (total - started) + margin
-    if after < need:
+    need = footprint * (total - started) + margin
+    if available < need:
         raise SystemExit(
-            f"bench: {total} live engines need about {need / 2**30:.1f} GiB more, "
-            f"{after / 2**30:.1f} GiB available; use --engines fresh (one engine at a time) "
-            "or fewer configs"
+            f"bench: {total - started} more live engines need about {need / 2**30:.1f} GiB "
+            f"({footprint / 2**30:.1f} GiB each), {available / 2**30:.1f} GiB available; use "
+            "--engines fresh (one engine at a time) or fewer configs"
         )
 
 
@@ -603,11 +603,12 @@ def timed_rounds_persistent(
     records: list[list[dict[str, Any]]] = [[{} for _ in range(args.rounds)] for _ in defs]
     try:
         for i, (d, spec) in enumerate(zip(defs, specs, strict=True)):
-            before = mem_available_bytes()
             _log(f"starting engine {i + 1}/{n}: {d.name}")
             procs.append(EngineProcess(d.name, spec, d.env))
             records[i][0].update(engine_start_s=procs[i].engine_start_s, pids=procs[i].pids)
-            _check_memory(i + 1, n, before)
+            footprint = procs[i].footprint_bytes()
+            _log(f"  {footprint / 2**30:.2f} GiB (Pss of its processes)")
+            _check_memory(i + 1, n, footprint)
         for i, p in enumerate(procs):
             _log(f"{defs[i].name}: teacher forcing and free-running outputs")
             records[i][0].update(p.ask("quality"))
