@@ -69,3 +69,13 @@ def test_bandwidth_share() -> None:
     assert bandwidth_share(1e9, 0.1, 20.0) == pytest.approx(0.5)  # 10 GB/s of 20
     assert bandwidth_share(1e9, 0.0, 20.0) is None
     assert bandwidth_share(1e9, 0.1, 0.0) is None
+
+
+def test_reference_is_the_best_of_the_readings() -> None:
+    from vllm_adaptive.bench.harness import best_stream
+
+    start = {"copy_gbs": 11.0, "triad_gbs": 11.8, "read_gbs": 6.0, "best_gbs": 11.8}
+    end = {"copy_gbs": 18.6, "triad_gbs": 11.4, "read_gbs": 15.8, "best_gbs": 18.6}
+    ref = best_stream(start, end)
+    assert (ref["copy_gbs"], ref["triad_gbs"], ref["read_gbs"]) == (18.6, 11.8, 15.8)
+    assert ref["best_gbs"] == 18.6 and ref["readings"] == [start, end]
