@@ -249,6 +249,13 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
                 calibrate_from_prefill(self, hidden, rows)
         return hidden
 
+    def kernel_dispatch(self) -> dict:
+        """The reduced-precision kernels this worker measured and runs, per format, shape and
+        token-count bucket (the bench records it next to its timings)."""
+        from vllm_adaptive.introspection import kernel_dispatch
+
+        return kernel_dispatch(self)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden_states)
         if self.precision is not None and logits is not None:
