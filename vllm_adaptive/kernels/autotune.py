@@ -164,8 +164,7 @@ class DispatchTable:
         """Measure ``kernels`` at every bucket up to ``max_tokens`` unless ``key`` is known."""
         names = sorted(kernels)
         with self._lock:
-            known = self.entries.get(key)
-            if known is not None and sorted(known.get("kernels", [])) == names:
+            if self.knows(key, names):
                 return
             if os.environ.get("VLLM_ADAPTIVE_AUTOTUNE", "on") == "off" or len(kernels) == 1:
                 first = next(iter(kernels))
@@ -199,6 +198,11 @@ class DispatchTable:
         while str(b) not in buckets and b > 1:
             b //= 2
         return buckets.get(str(b), {}).get("best", default)
+
+    def knows(self, key: str, kernels) -> bool:
+        """Whether ``key`` was measured with exactly these kernels."""
+        entry = self.entries.get(key)
+        return entry is not None and sorted(entry.get("kernels", [])) == sorted(kernels)
 
     def chosen(self, key: str) -> set[str]:
         """Every kernel some bucket of ``key`` runs (the layouts worth keeping)."""

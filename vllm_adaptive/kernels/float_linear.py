@@ -68,7 +68,9 @@ class Fp16Weight:
         return self.weight.numel() * 2
 
     def kernels(self) -> tuple[str, ...]:
-        return FP16_KERNELS if fbgemm_available() else ("reference",)
+        """Kernels dispatch may pick; ``reference`` (a float32 copy of the rounded weight, twice
+        the memory) only where FBGEMM is missing. Every kernel stays callable by ``bind``."""
+        return ("fbgemm_fp16",) if fbgemm_available() else ("reference",)
 
     def prepare(self, kernel: str) -> None:
         if kernel == "fbgemm_fp16" and "fbgemm_fp16" not in self.prepared:
@@ -169,12 +171,14 @@ class W8A8Weight:
         return self.codes.float() * self.scales[:, None]
 
     def kernels(self) -> tuple[str, ...]:
+        """Kernels dispatch may pick; ``reference`` (float32 dequantized weights) only where
+        no int8 GEMM exists. Every kernel stays callable by ``bind``."""
         out = []
         if onednn_int8_available():
             out.append("onednn")
         if fbgemm_available():
             out.append("fbgemm_rows")
-        return (*out, "reference")
+        return tuple(out) or ("reference",)
 
     def prepare(self, kernel: str) -> None:
         if kernel in self.prepared:

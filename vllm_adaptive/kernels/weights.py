@@ -70,7 +70,7 @@ def autotune_weight(weight: Weight, max_tokens: int = autotune.BUCKETS[-1]) -> N
     if isinstance(weight, FLOAT_FORMATS):
         key = dispatch_key(precision_of(weight), weight)
         table = autotune.table()
-        if not table.chosen(key):
+        if not table.knows(key, weight.kernels()):
             kernels = {name: weight.bind(name) for name in weight.kernels()}
             table.ensure(key, kernels, weight.shape[1], max_tokens=max_tokens)
         weight.keep_only(table.chosen(key))
