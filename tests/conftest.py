@@ -139,3 +139,28 @@ def depth_profile(model_dir: Path) -> Path:
         calibrate(model_dir, [corpus], d / "profile", opts, progress=False)
 
     return artifacts.cached("depth-profile", key, build) / "profile"
+
+
+@pytest.fixture(scope="session")
+def smoothing_profile(model_dir: Path) -> Path:
+    """A small real SmoothQuant calibration of the default model (activation maxima over 2048
+    tokens of code), for the w8a8 precision. Cached by model fingerprint and code."""
+    import platform
+
+    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.precision.smoothing import calibrate_smoothing
+
+    key = {
+        **_model_key(model_dir),
+        "python": platform.python_version(),
+        "tokens": 2048,
+        "code": artifacts.code_hash(
+            "vllm_adaptive/precision/smoothing.py", "vllm_adaptive/bench/corpus.py"
+        ),
+    }
+
+    def build(d: Path) -> None:
+        corpus = default_code_corpus(d / "code.txt", max_chars=300_000)
+        calibrate_smoothing(model_dir, [corpus], d / "profile", tokens=2048, progress=False)
+
+    return artifacts.cached("smoothing-profile", key, build) / "profile"

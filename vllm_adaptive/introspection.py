@@ -42,3 +42,11 @@ def worker_report(model: Any) -> dict[str, Any]:
         "gears": gear_telemetry(model),
         "depth": depth_telemetry(model),
     }
+
+
+def kernel_dispatch(model: Any) -> dict[str, Any]:
+    """The float-activation kernels this worker measured and picked per format, shape and
+    token-count bucket, and the machine they were measured on (``kernels/autotune.py``)."""
+    from vllm_adaptive.kernels import autotune
+
+    return {"machine": autotune.cpu_info(), "dispatch": autotune.table().summary()}

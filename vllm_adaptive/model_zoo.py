@@ -54,6 +54,27 @@ ZOO: dict[str, ZooEntry] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+@dataclass(frozen=True)
+class DerivedEntry:
+    """A checkpoint computed from a prepared zoo model (nothing to download of its own)."""
+
+    name: str
+    base: str
+    kind: str  # "w8a8": see vllm_adaptive/w8a8_checkpoint.py
+    description: str
+
+
+DERIVED: dict[str, DerivedEntry] = {
+    "smollm2-135m-instruct-w8a8": DerivedEntry(
+        name="smollm2-135m-instruct-w8a8",
+        base="smollm2-135m-instruct",
+        kind="w8a8",
+        description="the default model as a compressed-tensors W8A8 int8 checkpoint "
+        "(per-channel weights, dynamic per-token activations) for vLLM's own int8 path",
+    ),
+}
+
+
 class ModelPrepareError(RuntimeError):
     pass
 
@@ -213,46 +234,22 @@ def _convert(entry: ZooEntry, gguf: Path, out: Path, progress: tqdm) -> None:
     progress.update(1)
 
 
-def prepare(name: str = DEFAULT_MODEL, force: bool = False, quiet: bool = False) -> Path:
-    """Make sure the checkpoint for `name` exists and is intact; return its directory."""
-    if name not in ZOO:
-        raise ModelPrepareError(f"unknown model {name!r}; known: {', '.join(sorted(ZOO))}")
-    entry = ZOO[name]
-    out = model_dir(name)
-
-    def log(msg: str) -> None:
-        if not quiet:
-            print(f"[prepare] {msg}", file=sys.stderr, flush=True)
-
-    if not force and _verify_manifest(out):
-        log(f"{name}: already prepared, checksums verified")
-        return out
-    if out.exists():
-        log(f"{name}: {out} is incomplete or modified; rebuilding")
-
-    gguf = _locate_gguf(entry, log)
+def _write_checked(name: str, out: Path, build, source: dict, log, quiet: bool) -> None:
+    """Build into a temporary directory beside ``out`` (``build(tmp, progress)``), record a
+    sha256 manifest, and only then move it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
         with tqdm(total=6, desc="preparing", disable=quiet, file=sys.stderr) as progress:
-            _convert(entry, gguf, tmp, progress)
+            build(tmp, progress)
             progress.set_description("writing manifest")
             files = {
                 p.name: _sha256(p)
                 for p in sorted(tmp.iterdir())
                 if p.is_file() and p.name != MANIFEST
             }
-            manifest = {
-                "version": MANIFEST_VERSION,
-                "name": name,
-                "source": {
-                    "distribution": entry.distribution,
-                    "version": entry.version,
-                    "file": entry.gguf_path,
-                    "sha256": _sha256(gguf),
-                },
-                "files": files,
-            }
+            manifest = {"version": MANIFEST_VERSION, "name": name, "source": source}
+            manifest["files"] = files
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             progress.update(1)
         if out.exists():
@@ -264,4 +261,61 @@ def prepare(name: str = DEFAULT_MODEL, force: bool = False, quiet: bool = False)
     if not _verify_manifest(out):
         raise ModelPrepareError(f"{out}: checksum verification failed after writing")
     log(f"{name}: written and verified")
+
+
+def _prepare_derived(entry: DerivedEntry, force: bool, quiet: bool, log) -> Path:
+    out = model_dir(entry.name)
+    if not force and _verify_manifest(out):
+        log(f"{entry.name}: already prepared, checksums verified")
+        return out
+    base = prepare(entry.base, quiet=quiet)
+
+    def build(tmp: Path, progress: tqdm) -> None:
+        from vllm_adaptive.w8a8_checkpoint import write_w8a8
+
+        progress.set_description(f"quantizing {entry.base} ({entry.kind})")
+        summary = write_w8a8(base, tmp)
+        log(
+            f"{entry.name}: {summary['quantized_tensors']} linears int8, worst row relative "
+            f"error {summary['worst_row_relative_error']:.4f}"
+        )
+        progress.update(5)
+
+    base_manifest = json.loads((base / MANIFEST).read_text())
+    source = {"base": entry.base, "kind": entry.kind, "base_files": base_manifest["files"]}
+    _write_checked(entry.name, out, build, source, log, quiet)
+    return out
+
+
+def prepare(name: str = DEFAULT_MODEL, force: bool = False, quiet: bool = False) -> Path:
+    """Make sure the checkpoint for `name` exists and is intact; return its directory."""
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(f"[prepare] {msg}", file=sys.stderr, flush=True)
+
+    if name in DERIVED:
+        return _prepare_derived(DERIVED[name], force, quiet, log)
+    if name not in ZOO:
+        known = ", ".join(sorted([*ZOO, *DERIVED]))
+        raise ModelPrepareError(f"unknown model {name!r}; known: {known}")
+    entry = ZOO[name]
+    out = model_dir(name)
+
+    if not force and _verify_manifest(out):
+        log(f"{name}: already prepared, checksums verified")
+        return out
+    if out.exists():
+        log(f"{name}: {out} is incomplete or modified; rebuilding")
+
+    gguf = _locate_gguf(entry, log)
+    source = {
+        "distribution": entry.distribution,
+        "version": entry.version,
+        "file": entry.gguf_path,
+        "sha256": _sha256(gguf),
+    }
+    _write_checked(
+        name, out, lambda tmp, progress: _convert(entry, gguf, tmp, progress), source, log, quiet
+    )
     return out

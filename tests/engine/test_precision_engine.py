@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import make_llm, shutdown
+from tests.support.forcing import teacher_force
 
 PROMPTS = [
     "The history of the Roman empire begins",
@@ -63,23 +64,6 @@ def _telemetry(llm) -> dict:
     return {r["tag"]: r for r in tel["finished"] + tel["live"]} | {"_": tel}
 
 
-def _forced(llm, prompt_ids, forced, tag, **extra):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from vllm_adaptive.bench.teacher_forcing import FORCE_KEY, read_forced_output
-
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=len(forced),
-        ignore_eos=True,
-        logprobs=1,
-        extra_args={FORCE_KEY: forced, "adaptive_request_tag": tag, **extra},
-    )
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)
-    return read_forced_output(out, forced)
-
-
 def test_gears_shift_mid_request_and_output_stays_sane(gear_llm) -> None:
     outs = gear_llm.generate(
         PROMPTS, [_params(f"shift{i}") for i in range(len(PROMPTS))], use_tqdm=False
@@ -103,8 +87,8 @@ def test_gears_shift_mid_request_and_output_stays_sane(gear_llm) -> None:
         # different gears before and after each shift is read back coherently).
         prompt_ids = list(o.prompt_token_ids)
         forced = list(r.outputs[0].token_ids)
-        geared = _forced(gear_llm, prompt_ids, forced, f"tfg{i}")
-        full = _forced(gear_llm, prompt_ids, forced, f"tff{i}", adaptive_mode="off")
+        geared = teacher_force(gear_llm, prompt_ids, forced, f"tfg{i}")
+        full = teacher_force(gear_llm, prompt_ids, forced, f"tff{i}", adaptive_mode="off")
         agree = sum(a == b for a, b in zip(geared.greedy, forced[1:], strict=False)) / (
             len(forced) - 1
         )
@@ -123,7 +107,7 @@ def test_packed_gear_kv_is_consistent_between_decode_and_prefill(gear_llm) -> No
     out = gear_llm.generate(PROMPTS[:1], [_params("seed", 40)], use_tqdm=False)[0]
     prompt_ids = list(out.prompt_token_ids)
     forced = list(out.outputs[0].token_ids)
-    decode = _forced(gear_llm, prompt_ids, forced, "kv-dec", adaptive_gear="low")
+    decode = teacher_force(gear_llm, prompt_ids, forced, "kv-dec", adaptive_gear="low")
     gear_llm.reset_prefix_cache()
     full = prompt_ids + forced
     (pre,) = gear_llm.generate(
@@ -173,7 +157,11 @@ def test_resident_bytes_and_policy_report(gear_llm) -> None:
     assert 0 < rb["int8"] < rb["full"] and 0 < rb["int4"] < rb["full"]
     assert tel["policy"]["policy"] == "gearbx" and tel["routing"] == "token"
     ratios = tel["level_byte_ratios"]
-    assert ratios["low"] == pytest.approx(0.25) and ratios["high"] == pytest.approx(1.0)
+    # low: int4 decoder linears (0.5 of bf16's bytes) and the fp16 LM head (as many as bf16)
+    layers, head = 30 * 576 * (960 + 576 + 3072 + 1536), 49152 * 576
+    assert ratios["low"] == pytest.approx((0.25 * layers + head) / (layers + head))
+    assert ratios["high"] == pytest.approx(1.0)
+    assert ["fp16", "fp16", "full", "full"] in tel["layer_maps"]  # the geared LM head
 
 
 def test_bad_per_request_gear_is_rejected_and_engine_keeps_serving(gear_llm) -> None:

@@ -45,6 +45,8 @@ def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:
         "--ppl-tokens",
         "24",
         "--enforce-eager",
+        "--dtype",  # the bench defaults to float32; this test's identities are bf16 ones
+        "bfloat16",
         "--kv-cache-gib",
         "1",
         "--rounds",

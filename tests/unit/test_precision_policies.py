@@ -216,3 +216,22 @@ def test_controller_mirrors_the_persistent_batch() -> None:
         BatchUpdate(batch_size=2, removed=[], added=[(1, params("d"), [6], [])], moved=[])
     )
     assert c.slots[1].tag == "d" and c.finished[-1]["tag"] == "c"  # replaced: c finished
+
+
+def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
+    """float32 engines get the gears with fast float32 kernels; bf16 ones the paper's."""
+    cfg = parse_adaptive_config({"precision": {"policy": "gearbx"}}).precision
+    assert cfg.for_dtype("float32").level_gears == ("w8a8", "fp16", "full")
+    assert cfg.for_dtype("bfloat16").level_gears == ("int4", "int8", "full")
+    assert cfg.for_dtype("float32").head_map == ("fp16", "fp16", "full")
+    explicit = parse_adaptive_config(
+        {"precision": {"policy": "gearbx", "gears": ["int4", "int8", "full"]}}
+    ).precision
+    assert explicit.for_dtype("float32").level_gears == ("int4", "int8", "full")
+    smooth = {"policy": "gearbx", "smoothing": {"profile": "/p"}}
+    cfg = parse_adaptive_config({"precision": smooth}).precision
+    assert cfg.for_dtype("float32").smoothing.alpha == 0.5
+    with pytest.raises(ValueError, match="smoothing.*bfloat16"):
+        cfg.for_dtype("bfloat16")
+    with pytest.raises(AdaptiveConfigError, match="smoothing"):
+        parse_adaptive_config({"precision": {**smooth, "gears": ["int4", "int8", "full"]}})

@@ -40,11 +40,21 @@ def test_bad_settings_name_their_key(spec: dict, fragment: str) -> None:
         parse_adaptive_config({"speculative": spec})
 
 
-def test_not_combined_with_depth_or_precision() -> None:
+def test_not_combined_with_depth_or_gear_routing() -> None:
     with pytest.raises(AdaptiveConfigError, match="speculative"):
         parse_adaptive_config(
-            {"speculative": {"draft": "lowbit"}, "precision": {"policy": "fixed", "gear": "int8"}}
+            {"speculative": {"draft": "lowbit"}, "precision": {"policy": "gearbx"}}
         )
+    with pytest.raises(AdaptiveConfigError, match="speculative"):
+        parse_adaptive_config({"speculative": {"draft": "lowbit"}, "depth": {"profile": "p"}})
+    # a target at one fixed precision verifies the drafts (e.g. an fp16 target, a W8A8 draft)
+    cfg = parse_adaptive_config(
+        {
+            "speculative": {"draft": "lowbit", "precision": "w8a8"},
+            "precision": {"policy": "fixed", "gear": "fp16"},
+        }
+    )
+    assert cfg.active_precision.gear == "fp16" and cfg.active_speculative.draft_precision == "w8a8"
 
 
 def test_mode_off_disables_the_draft() -> None:

@@ -78,7 +78,6 @@ class StepPlan:
     query_start: np.ndarray | None
     pending_logits: bool = True
     groups: dict = field(default_factory=dict)
-    num_tokens: int = -1
 
 
 class PrecisionController:
@@ -190,14 +189,24 @@ class PrecisionController:
                     g.tiers.release(precision)
 
     def groups(self, level_precisions: tuple[str, ...], num_tokens: int):
-        """``[(precision, token index or None)]`` for a layer whose codes map to precisions."""
+        """``[(precision, row index or None)]`` for a layer whose codes map to precisions.
+
+        Rows are the step's tokens (decoder linears) or its sampled rows, one per request (the
+        LM head): both are grouped by their request's gear under token routing."""
         plan = self.plan
         if plan is None:
             return [(level_precisions[HIGH], None)]
-        got = plan.groups.get(level_precisions)
-        if got is not None and plan.num_tokens == num_tokens:
+        key = (level_precisions, num_tokens)
+        got = plan.groups.get(key)
+        if got is not None:
             return got
-        if plan.token_codes is None or plan.token_codes.shape[0] != num_tokens:
+        row_codes = None
+        if plan.token_codes is not None:
+            if plan.token_codes.shape[0] == num_tokens:
+                row_codes = plan.token_codes
+            elif num_tokens == plan.num_reqs:
+                row_codes = torch.from_numpy(plan.codes)
+        if row_codes is None:
             # step routing (or a layout we cannot map): the most demanding request decides
             got = [(level_precisions[int(plan.codes.max())], None)]
         else:
@@ -207,15 +216,13 @@ class PrecisionController:
             if len(by_precision) == 1:
                 got = [(next(iter(by_precision)), None)]
             else:
-                tc = plan.token_codes
                 got = []
                 for precision, codes in by_precision.items():
-                    mask = torch.zeros_like(tc, dtype=torch.bool)
+                    mask = torch.zeros_like(row_codes, dtype=torch.bool)
                     for c in codes:
-                        mask |= tc == c
+                        mask |= row_codes == c
                     got.append((precision, mask.nonzero().squeeze(1)))
-        plan.groups[level_precisions] = got
-        plan.num_tokens = num_tokens
+        plan.groups[key] = got
         return got
 
     # -- 3. entropy ----------------------------------------------------------------------------
@@ -254,17 +261,19 @@ class PrecisionController:
         return resident_bytes(getattr(self, "geared", []))
 
     def level_byte_ratios(self) -> dict[str, float]:
-        """Weight bytes a step at each gear level reads, relative to full precision."""
+        """Weight bytes a step at each gear level reads, relative to the float weights."""
         from vllm_adaptive.flops import BYTES_PER_PARAM
 
         geared = getattr(self, "geared", [])
-        total = sum(g.tiers.shape[0] * g.tiers.shape[1] for g in geared) or 1
+        total = sum(g.full_bytes for g in geared) or 1
+
+        def nbytes(g, precision: str) -> float:
+            if precision == "full":
+                return g.full_bytes
+            return g.tiers.shape[0] * g.tiers.shape[1] * BYTES_PER_PARAM[precision]
+
         return {
-            name: sum(
-                g.tiers.shape[0] * g.tiers.shape[1] * BYTES_PER_PARAM[g.level_precisions[code]]
-                for g in geared
-            )
-            / (total * BYTES_PER_PARAM["full"])
+            name: sum(nbytes(g, g.level_precisions[code]) for g in geared) / total
             for code, name in enumerate(CODE_NAMES)
         }
 
