@@ -22,6 +22,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--model", required=True, help="checkpoint directory (see `vllm-adaptive models prepare`)"
     )
     p.add_argument(
+        "--backend",
+        default="vllm",
+        choices=["vllm", "mlx"],
+        help="vllm (default): against stock vLLM; mlx: the MLX backend against stock mlx-lm "
+        "on the same checkpoint, batch 1 (--batch-sizes 1)",
+    )
+    p.add_argument(
         "--corpus",
         action="append",
         required=True,
@@ -90,6 +97,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "timings are the median over rounds",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--prompts", type=int, default=4, help="mlx: prompts in the batch-1 throughput runs"
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="mlx: drafts per round for configs with adaptive.speculative",
+    )
     p.add_argument(
         "--enforce-eager", action="store_true", help="skip torch.compile in every engine"
     )
