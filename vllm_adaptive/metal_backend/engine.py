@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from vllm_adaptive.bench.metrics import ForcedStream
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, parse_adaptive_config
+from vllm_adaptive.depth.profile import ProfileError
 from vllm_adaptive.metal_backend.arch import LlamaLayout, UnsupportedArchitecture
 from vllm_adaptive.metal_backend.depth import DepthRunner
 from vllm_adaptive.metal_backend.gear_control import GearController
@@ -100,16 +101,22 @@ class MlxEngine:
             except UnsupportedArchitecture as e:
                 raise AdaptiveConfigError(f"adaptive: {e}") from None
         if self.config.active_precision is not None:
-            self.gears = GearController(
-                self.config.active_precision, self.layout, self.tokenizer, GearSwitch()
-            )
+            try:
+                self.gears = GearController(
+                    self.config.active_precision, self.layout, self.tokenizer, GearSwitch()
+                )
+            except ValueError as e:  # a group size this model's widths cannot take
+                raise AdaptiveConfigError(str(e)) from None
         if self.config.active_depth is not None:
             try:
                 self.depth = DepthRunner(self.config.active_depth, self.layout, model_dir)
-            except (ValueError, OSError) as e:
+            except (ProfileError, ValueError, OSError) as e:
                 raise AdaptiveConfigError(f"adaptive.depth.profile: {e}") from None
         if self.config.active_speculative is not None:
-            self.draft = LowBitDraft(self.layout, self.config.active_speculative)
+            try:
+                self.draft = LowBitDraft(self.layout, self.config.active_speculative)
+            except ValueError as e:
+                raise AdaptiveConfigError(str(e)) from None
         self.lock = threading.Lock()
         self.records: dict[str, list[dict[str, Any]]] = {}
         self._order: list[str] = []
