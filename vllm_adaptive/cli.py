@@ -1,4 +1,5 @@
-"""The `vllm-adaptive` command: model preparation and benchmarking."""
+"""The `vllm-adaptive` command: model preparation, calibration, benchmarking, and the MLX
+backend's server (`serve --backend mlx`; with vLLM, `vllm serve` loads the plugin itself)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def _cmd_corpora_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.backend == "mlx":
+        from vllm_adaptive.metal_backend.bench import run_from_args as run_mlx
+
+        return run_mlx(args)
     if args.spec:
         if args.config:
             raise SystemExit("bench: --spec and --config are separate benches (give one kind)")
@@ -42,6 +47,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         return run_spec(args)
     from vllm_adaptive.bench.harness import run_from_args
+
+    return run_from_args(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from vllm_adaptive.metal_backend.server import run_from_args
 
     return run_from_args(args)
 
@@ -119,9 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vllm_adaptive.bench.args import add_bench_arguments
 
-    bench = sub.add_parser("bench", help="measure adaptive configs against stock vLLM")
+    bench = sub.add_parser("bench", help="measure adaptive configs against stock vLLM / mlx-lm")
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    from vllm_adaptive.metal_backend.server import add_serve_arguments
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server on MLX (`--backend mlx`); with vLLM use `vllm serve "
+        "MODEL --additional-config ...`, which loads the plugin itself",
+    )
+    serve.add_argument(
+        "--backend",
+        required=True,
+        choices=["mlx"],
+        help="mlx: Apple silicon (Metal) or MLX's CPU build",
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     from vllm_adaptive.depth.args import add_calibrate_arguments
 

@@ -9,64 +9,40 @@ only carries strings, numbers and lists:
 Validation runs at request admission through vLLM's logits-processor
 `validate_params` hook, so a bad value becomes HTTP 400 (a
 `VLLMValidationError`) instead of an engine crash or a silent default. The
-validator itself never changes logits.
+validator itself never changes logits. The keys and their rules live in
+:mod:`vllm_adaptive.overrides` (no vLLM there: the MLX server uses them too).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+from vllm_adaptive.overrides import (
+    EXTRA_ARGS_PREFIX,
+    RequestOverrideError,
+    RequestOverrides,
+    check_overrides,
+    parse_overrides,
+)
+
+__all__ = ["EXTRA_ARGS_PREFIX", "RequestOverrides", "parse_request_overrides"]
+
 logger = logging.getLogger("vllm.adaptive.requests")
-
-#: Prefix of every per-request adaptive key in `extra_args`.
-EXTRA_ARGS_PREFIX = "adaptive_"
-
-
-class RequestOverrides(BaseModel):
-    """What one request may change about the engine's adaptive behaviour."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    mode: Literal["off"] | None = None
-    """"off": run this request with every adaptive mechanism disabled (full precision, full
-    depth; on a self-speculative engine the request gets no drafts)."""
-    gear: Literal["low", "mid", "high"] | None = None
-    """Pin this request's precision gear level (engines with ``adaptive.precision``)."""
-    depth_budget: float | None = Field(None, gt=0.0, le=1.0)
-    """This request's adaptive-depth budget (engines with ``adaptive.depth``); 1.0: no exits."""
-    request_tag: str | None = Field(None, min_length=1, max_length=200)
-    """Name under which the request's telemetry (gear counts, traces) is recorded."""
 
 
 def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOverrides:
     """Collect and validate the `adaptive_*` keys; other keys belong to others."""
-    fields = {
-        key[len(EXTRA_ARGS_PREFIX) :]: value
-        for key, value in (extra_args or {}).items()
-        if isinstance(key, str) and key.startswith(EXTRA_ARGS_PREFIX)
-    }
     try:
-        return RequestOverrides.model_validate(fields)
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = EXTRA_ARGS_PREFIX + ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            known = ", ".join(EXTRA_ARGS_PREFIX + f for f in RequestOverrides.model_fields)
-            msg = f"unknown per-request adaptive key {key!r} (known: {known})"
-        else:
-            msg = (
-                f"invalid per-request adaptive value for {key!r}: {first['msg']} "
-                f"(got {first.get('input')!r})"
-            )
-        raise VLLMValidationError(msg, parameter=key, value=first.get("input")) from None
+        return parse_overrides(extra_args)
+    except RequestOverrideError as e:
+        raise VLLMValidationError(str(e), parameter=e.parameter, value=e.value) from None
 
 
 def check_architecture_supported(vllm_config: Any) -> None:
@@ -95,14 +71,10 @@ class AdaptiveRequestValidator(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         overrides = parse_request_overrides(sampling_params.extra_args)
-        for name in ("gear", "depth_budget"):
-            value = getattr(overrides, name)
-            if overrides.mode == "off" and value is not None:
-                raise VLLMValidationError(
-                    f"adaptive_mode='off' and adaptive_{name} contradict each other; give one",
-                    parameter=f"adaptive_{name}",
-                    value=value,
-                )
+        try:
+            check_overrides(overrides)
+        except RequestOverrideError as e:
+            raise VLLMValidationError(str(e), parameter=e.parameter, value=e.value) from None
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         # Built in every engine's worker at start: the one place that sees the

@@ -33,6 +33,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--model", required=True, help="checkpoint directory (see `vllm-adaptive models prepare`)"
     )
     p.add_argument(
+        "--backend",
+        default="vllm",
+        choices=["vllm", "mlx"],
+        help="vllm (default): against stock vLLM; mlx: the MLX backend against stock mlx-lm "
+        "on the same checkpoint, batch 1 (--batch-sizes 1)",
+    )
+    p.add_argument(
         "--corpus",
         action="append",
         required=True,
@@ -161,5 +168,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="array size (MiB) of the stream bandwidth measurement (default 4x the last-level "
         "cache); 0 skips it",
+    )
+    p.add_argument(
+        "--prompts", type=int, default=4, help="mlx: prompts in the batch-1 throughput runs"
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="mlx: drafts per round for configs with adaptive.speculative",
     )
     p.add_argument("--seed", type=int, default=0)
