@@ -99,7 +99,7 @@ def test_cpu_image_extras_and_model_path() -> None:
     assert set(extras) <= declared, (extras, declared)
     # the setup script installs exactly these extras
     script = (REPO / "scripts" / "setup-venv.sh").read_text()
-    assert "extras=${VLLM_ADAPTIVE_EXTRAS:-cpu,dev}" in script
+    assert "extras=${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}" in script
     assert 'pip install -q -e "$root[$extras]"' in script
     # the model lands where the manifests look for it
     cache = re.search(r"VLLM_ADAPTIVE_CACHE=(\S+)", text).group(1)
