@@ -69,6 +69,8 @@ def install_gears(
         level_map = cfg.layer_map(i, layout.num_layers)
         maps.append(tuple(level_map))
         for module in cfg.modules:
+            if module == "lm_head":
+                continue  # the LM head stays full precision here (head_gears is refused)
             for parent, attr in layout.linears(i, module):
                 linear = getattr(parent, attr)
                 key = "adaptive.precision.group_size"

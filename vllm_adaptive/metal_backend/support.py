@@ -30,6 +30,26 @@ def unsupported(cfg: AdaptiveConfig) -> list[tuple[str, str]]:
                     f"{list(MLX_GROUP_SIZES)} (no per-row groups)",
                 )
             )
+        mlx_precisions = {"full", "int8", "int4", "int2"}
+        used = {
+            *p.level_gears,
+            *(x for g in p.layer_groups for x in g.gears),
+        }
+        if used - mlx_precisions:
+            key = "adaptive.precision.gear" if p.policy == "fixed" else "adaptive.precision.gears"
+            out.append(
+                (
+                    key,
+                    f"{sorted(used - mlx_precisions)}: the MLX backend has MLX's own 8/4/2-bit "
+                    "quantized tiers; the fp16 and W8A8 kernels are CPU kernels of the vLLM path",
+                )
+            )
+        if p.head_gears is not None:
+            out.append(
+                ("adaptive.precision.head_gears", "the MLX backend does not gear the LM head")
+            )
+        if p.smoothing is not None:
+            out.append(("adaptive.precision.smoothing", "smoothing applies to the w8a8 precision"))
         if p.offload_inactive:
             out.append(
                 (
