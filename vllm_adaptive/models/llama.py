@@ -230,6 +230,7 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
             self.precision = install_precision(
                 self, self.adaptive_config.active_precision, self._tokenizer_path
             )
+            self.precision.stats.num_layers = self.config.num_hidden_layers
         return loaded
 
     def forward(
