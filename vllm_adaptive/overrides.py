@@ -8,6 +8,7 @@ because vLLM's ``vllm_xargs`` only carries strings, numbers and lists.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -15,6 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: Prefix of every per-request adaptive key.
 EXTRA_ARGS_PREFIX = "adaptive_"
+
+
+def shown(value: Any) -> str:
+    """A value as the client sent it: JSON booleans as ``true`` / ``false``, not Python's."""
+    if isinstance(value, bool):
+        return f"{json.dumps(value)} (a boolean)"
+    return repr(value)
 
 
 class RequestOverrideError(ValueError):
@@ -61,7 +69,7 @@ def parse_overrides(extra_args: Mapping[str, Any] | None) -> RequestOverrides:
         else:
             msg = (
                 f"invalid per-request adaptive value for {key!r}: {first['msg']} "
-                f"(got {first.get('input')!r})"
+                f"(got {shown(first.get('input'))})"
             )
         raise RequestOverrideError(msg, key, first.get("input")) from None
 

@@ -167,5 +167,11 @@ def test_resident_bytes_and_policy_report(gear_llm) -> None:
 def test_bad_per_request_gear_is_rejected_and_engine_keeps_serving(gear_llm) -> None:
     with pytest.raises(Exception, match="adaptive_gear"):
         gear_llm.generate(PROMPTS[:1], [_params("bad", adaptive_gear="turbo")], use_tqdm=False)
+    # The offline LLM knows its engine's config too: a depth budget on a precision engine is
+    # refused naming why, not logged as ignored.
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="adaptive_depth_budget=0.5 cannot be honoured"):
+        gear_llm.generate(PROMPTS[:1], [_params("nodepth", adaptive_depth_budget=0.5)])
     ok = gear_llm.generate(PROMPTS[:1], [_params("after-bad", 4)], use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 4

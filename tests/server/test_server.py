@@ -1,7 +1,8 @@
 """End-to-end tests against one real `vllm serve` process with the plugin on, queried with the
 `openai` client as a user would: completions and chat, streaming and not, per-request adaptive
-overrides in `vllm_xargs` (bad ones are HTTP 400), and the telemetry plugins (the
-`vllm_adaptive:*` Prometheus metrics and the per-request route).
+overrides in `vllm_xargs` (bad ones are HTTP 400, streaming or not, JSON booleans included, and
+so are settings this engine cannot honour), and the telemetry plugins (the `vllm_adaptive:*`
+Prometheus metrics and the per-request route).
 
 The server runs a real adaptive-depth engine (budget 1.0: no exits unless a request asks for
 them) with all three plugin entry points named in VLLM_PLUGINS, as README.md tells users to
@@ -21,7 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.serving import CHAT, GREEDY, PROMPT, SERVED_NAME, serving
+from tests.support.serving import CHAT, GREEDY, PROMPT, SERVED_NAME, START_NOISE, serving
 from vllm_adaptive.telemetry_exchange import STATS_DIR_ENV
 
 # What README.md tells users to set for the route (the endpoint group is opt-in in vLLM).
@@ -119,6 +120,70 @@ def test_bad_override_is_400(
     # The server keeps serving after the rejection.
     resp = client.completions.create(model=SERVED_NAME, prompt=PROMPT, **GREEDY)
     assert resp.choices[0].text == greedy_text
+
+
+@pytest.mark.parametrize(
+    ("api", "xargs", "key"),
+    [
+        ("completions", {"adaptive_mode": "turbo"}, "adaptive_mode"),
+        ("chat", {"adaptive_depth_budget": 1.5}, "adaptive_depth_budget"),
+        ("chat", {"adaptive_foo": 1}, "adaptive_foo"),
+    ],
+    ids=["completions-bad-mode", "chat-bad-budget", "chat-unknown-key"],
+)
+def test_streaming_bad_override_is_400_before_the_stream(
+    depth_server: dict, client: openai.OpenAI, api: str, xargs: dict, key: str
+) -> None:
+    """As vLLM's own bad sampling parameters: HTTP 400 (the client raises), no 200 stream with
+    an error event inside, and no traceback in the server's log."""
+    body = {"model": SERVED_NAME, "stream": True, "extra_body": {"vllm_xargs": xargs}}
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        if api == "chat":
+            client.chat.completions.create(messages=CHAT, max_tokens=8, **body)
+        else:
+            client.completions.create(prompt="Hello, my name is", max_tokens=8, **body)
+    assert excinfo.value.status_code == 400 and key in str(excinfo.value)
+    log = depth_server["log"].read_text(errors="replace")
+    assert "Traceback" not in log and "stream generator" not in log
+
+
+@pytest.mark.parametrize(
+    ("xargs", "key"),
+    [
+        ({"adaptive_depth_budget": True}, "adaptive_depth_budget"),
+        ({"adaptive_gear": True}, "adaptive_gear"),
+    ],
+    ids=["budget", "gear"],
+)
+def test_json_booleans_are_refused_naming_what_was_sent(
+    client: openai.OpenAI, xargs: dict, key: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.completions.create(
+            model=SERVED_NAME, prompt=PROMPT, extra_body={"vllm_xargs": xargs}, **GREEDY
+        )
+    message = str(excinfo.value)
+    assert key in message and "got true (a boolean)" in message and "got 1" not in message
+
+
+def test_gear_on_a_depth_engine_is_400_naming_why(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=CHAT,
+            stream=True,
+            extra_body={"vllm_xargs": {"adaptive_gear": "low"}},
+            **GREEDY,
+        )
+    message = str(excinfo.value)
+    assert "adaptive_gear='low' cannot be honoured" in message
+    assert "no adaptive.precision section" in message and "it runs: depth" in message
+
+
+def test_start_log_has_no_noise(depth_server: dict) -> None:
+    log = depth_server["log"].read_text(errors="replace")
+    for noise in START_NOISE:
+        assert noise not in log
 
 
 def _get(url: str) -> tuple[int, bytes]:

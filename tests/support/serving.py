@@ -1,5 +1,6 @@
 """A real `vllm serve` process for server tests: started as a user starts it (the venv's
-console script), waited for on /health, stopped with SIGINT (then harder)."""
+console script, or `scripts/serve.sh`), waited for on /health, stopped with SIGINT (then
+harder)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 16}
 STARTUP_TIMEOUT_S = 300
 SHUTDOWN_TIMEOUT_S = 30
+REPO = Path(__file__).resolve().parents[2]
+#: What vLLM logs at start for settings a user should not have to see (scripts/serve.sh).
+START_NOISE = ("Unknown vLLM environment variable", "but VLLM_PLUGINS is not set")
 
 
 def _free_port() -> int:
@@ -68,32 +72,31 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def serving(
-    model_dir: Path, adaptive: dict, log: Path, env: Mapping[str, str] | None = None
+    model_dir: Path,
+    adaptive: dict,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    serve_sh: str | None = None,
+    eager: bool = True,
 ) -> Iterator[str]:
     """A real `vllm serve` (the venv's console script, as a user runs it) until the block ends.
 
-    `env` adds to (or overrides) this process's environment for the server.
+    `env` adds to (or overrides) this process's environment for the server. `serve_sh`: start
+    it through `scripts/serve.sh` instead (the repository's `.venv`, the default model), with
+    the config in the environment variable of that name. `eager=False`: vLLM's default
+    compilation instead of `--enforce-eager`.
     """
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [
-        str(Path(sys.executable).parent / "vllm"),
-        "serve",
-        str(model_dir),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--additional-config",
-        json.dumps({"adaptive": adaptive}),
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--dtype",
-        "bfloat16",
-    ]
+    config = json.dumps({"adaptive": adaptive})
+    common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
+    common += ["--dtype", "bfloat16", *(["--enforce-eager"] if eager else [])]
+    if serve_sh:
+        cmd = ["bash", str(REPO / "scripts" / "serve.sh"), *common]
+        env = {**(env or {}), serve_sh: config}
+    else:
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model_dir)]
+        cmd += ["--served-model-name", SERVED_NAME, "--additional-config", config, *common]
     server_env = {**os.environ, **(env or {})}
     server_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     with open(log, "wb") as out:

@@ -173,12 +173,15 @@ def _controller(policy: str = "gearbx"):
     return PrecisionController(cfg, build_policy(cfg, V), [], tokenizer_path=None)
 
 
-def test_controller_mirrors_the_persistent_batch() -> None:
+def test_controller_mirrors_the_persistent_batch(tmp_path, monkeypatch) -> None:
     """Slots follow vLLM's batch updates: removed, then added, then moved / swapped."""
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
+    from vllm_adaptive.telemetry_exchange import STATS_DIR_ENV, read_request_records
+
+    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))  # finished requests' records go there
     c = _controller()
 
     def params(tag: str, **extra) -> SamplingParams:
@@ -216,6 +219,8 @@ def test_controller_mirrors_the_persistent_batch() -> None:
         BatchUpdate(batch_size=2, removed=[], added=[(1, params("d"), [6], [])], moved=[])
     )
     assert c.slots[1].tag == "d" and c.finished[-1]["tag"] == "c"  # replaced: c finished
+    (rec,) = read_request_records("c", tmp_path)  # handed to the frontend's route
+    assert rec["mechanism"] == "precision" and rec["pinned"] == "off"
 
 
 def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
@@ -235,3 +240,44 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
         cfg.for_dtype("bfloat16")
     with pytest.raises(AdaptiveConfigError, match="smoothing"):
         parse_adaptive_config({"precision": {**smooth, "gears": ["int4", "int8", "full"]}})
+
+
+def test_prefill_runs_the_high_gear_and_decode_the_cold_start_gear(tmp_path, monkeypatch) -> None:
+    """A short plain prompt cold-starts at the low gear, but its prefill (which makes the first
+    token) runs high; pinned requests prefill at their pin."""
+    from vllm import SamplingParams
+
+    c = _controller()
+    cold = c._new_slot(SamplingParams(), [1, 2, 3])
+    cold.state.level = LOW  # what the classifier gives "The capital of France is"
+    assert cold.prefill_code == HIGH
+    assert [cold.code_at(p) for p in (0, 2, 3, 9)] == [HIGH, HIGH, LOW, LOW]
+    pinned = c._new_slot(SamplingParams(extra_args={"adaptive_gear": "low"}), [1, 2, 3])
+    assert [pinned.code_at(p) for p in (2, 3)] == [LOW, LOW]
+    off = c._new_slot(SamplingParams(extra_args={"adaptive_mode": "off"}), [1, 2, 3])
+    assert off.code_at(2) == off.code_at(3) == 3
+    paper = parse_adaptive_config(
+        {"precision": {"policy": "gearbx", "gearbx": {"prefill": "cold_start"}}}
+    ).precision
+    m = GearbxMonitor(V, paper.gearbx)
+    state = m.start("hello there")
+    assert state.level == LOW and m.prefill_level(state) == LOW  # the paper's listing 2
+
+
+def test_precision_telemetry_counts_decode_tokens_gears_and_shifts(tmp_path, monkeypatch) -> None:
+    from vllm_adaptive.precision.telemetry import PrecisionTelemetry
+    from vllm_adaptive.telemetry_exchange import STATS_DIR_ENV, read_engine_stats
+
+    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))
+    t = PrecisionTelemetry(30, {"policy": "gearbx", "routing": "step"})
+    t.step_started(0.001)
+    t.observed([("high", False, False), ("high", False, False)], 0.002)  # two first tokens
+    t.observed([("low", True, False), ("high", True, False)], 0.002)
+    t.observed([("low", True, False), ("mid", True, True)], 0.002)
+    t.request_finished({"tag": "x", "mechanism": "precision"})
+    (stats,) = read_engine_stats(tmp_path)
+    assert stats["decode_tokens"] == 4 and stats["first_tokens"] == 2
+    assert stats["gear_tokens"] == {"high": 1, "low": 2, "mid": 1} and stats["gear_shifts"] == 1
+    assert stats["layers_executed"] == 120 and stats["exit_tokens"] == {"30": 4}
+    assert stats["requests_finished"] == 1 and stats["decision_seconds"] == pytest.approx(0.007)
+    assert stats["forward_seconds"] > 0

@@ -32,6 +32,20 @@ DEPTH_STATS = {
     "forward_seconds": 4.5,
 }
 
+# what a precision engine writes (vllm_adaptive/precision/telemetry.py): every decode token at
+# full depth, plus decode tokens by gear and gear shifts
+PRECISION_STATS = {
+    "mechanism": "precision",
+    "num_layers": 30,
+    "decode_tokens": 10,
+    "layers_executed": 300,
+    "exit_tokens": {"30": 10},
+    "gear_tokens": {"low": 6, "high": 4, "": "x"},
+    "gear_shifts": 3,
+    "decision_seconds": 0.125,
+    "forward_seconds": 0.5,
+}
+
 
 # -- engine stats ----------------------------------------------------------------------------
 
@@ -176,6 +190,7 @@ def test_collector_exports_file_totals(tmp_path: Path) -> None:
     write_engine_stats(DEPTH_STATS, tmp_path)
     (tmp_path / "engine-1.json").write_text(json.dumps(other))
     (tmp_path / "engine-2.json").write_text("{")  # partial: skipped
+    (tmp_path / "engine-3.json").write_text(json.dumps(PRECISION_STATS))
 
     now = [0.0]
     collector = AdaptiveTelemetryCollector(
@@ -184,26 +199,30 @@ def test_collector_exports_file_totals(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     registry.register(collector)
     assert _samples(registry) == {
-        ("vllm_adaptive:decode_tokens_total", ()): 110.0,
-        ("vllm_adaptive:layers_executed_total", ()): 2700.0,
-        ("vllm_adaptive:decision_seconds_total", ()): 0.25,
-        ("vllm_adaptive:forward_seconds_total", ()): 5.0,
+        ("vllm_adaptive:decode_tokens_total", ()): 120.0,
+        ("vllm_adaptive:layers_executed_total", ()): 3000.0,
+        ("vllm_adaptive:decision_seconds_total", ()): 0.375,
+        ("vllm_adaptive:forward_seconds_total", ()): 5.5,
+        ("vllm_adaptive:gear_shifts_total", ()): 3.0,
         ("vllm_adaptive:exit_tokens_total", (("depth", "12"),)): 30.0,
         ("vllm_adaptive:exit_tokens_total", (("depth", "24"),)): 20.0,
-        ("vllm_adaptive:exit_tokens_total", (("depth", "30"),)): 60.0,
-        ("vllm_adaptive:mean_decode_depth", ()): 2700.0 / 110.0,
+        ("vllm_adaptive:exit_tokens_total", (("depth", "30"),)): 70.0,
+        ("vllm_adaptive:mean_decode_depth", ()): 3000.0 / 120.0,
+        ("vllm_adaptive:gear_tokens_total", (("gear", "high"),)): 4.0,
+        ("vllm_adaptive:gear_tokens_total", (("gear", "low"),)): 6.0,
     }
     text = generate_latest(registry).decode()
     assert "# TYPE vllm_adaptive:decode_tokens_total counter" in text
     assert "# TYPE vllm_adaptive:mean_decode_depth gauge" in text
     assert 'vllm_adaptive:exit_tokens_total{depth="24"} 20.0' in text
+    assert "# TYPE vllm_adaptive:gear_tokens_total counter" in text
 
     # Throttled: files are re-read at most once per interval.
     write_engine_stats({**DEPTH_STATS, "decode_tokens": 200}, tmp_path)
     now[0] = 0.5
-    assert _samples(registry)[("vllm_adaptive:decode_tokens_total", ())] == 110.0
+    assert _samples(registry)[("vllm_adaptive:decode_tokens_total", ())] == 120.0
     now[0] = 1.5
-    assert _samples(registry)[("vllm_adaptive:decode_tokens_total", ())] == 210.0
+    assert _samples(registry)[("vllm_adaptive:decode_tokens_total", ())] == 220.0
 
 
 def test_collector_empty_dir_and_reader_errors(tmp_path: Path) -> None:
@@ -220,7 +239,7 @@ def test_collector_empty_dir_and_reader_errors(tmp_path: Path) -> None:
 
     collector = AdaptiveTelemetryCollector(reader=broken)
     assert collector.refresh() is False  # logged, not raised
-    assert len(collector.collect()) == 6
+    assert len(collector.collect()) == 8
 
 
 def test_stat_logger_record_refreshes_and_double_registration_is_safe(

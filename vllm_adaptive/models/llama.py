@@ -231,6 +231,7 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
             self.precision = install_precision(
                 self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
             )
+            self.precision.stats.num_layers = self.config.num_hidden_layers
         return loaded
 
     def forward(
