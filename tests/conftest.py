@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import artifacts
-from tests.support.engines import run_stock, suite_engine_args
+from tests.support.engines import GEMMA3_NUM_BLOCKS, run_stock, suite_engine_args
 
 # Bound the CPU KV cache: without it vLLM reserves 92% of the NUMA node.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -74,14 +74,23 @@ def model_dir() -> Path:
     return prepare("smollm2-135m-instruct", quiet=True)
 
 
+@pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """Gemma 3 270M, the second architecture, prepared from its chunked PyPI GGUF (no hub;
+    cached after the first preparation)."""
+    from vllm_adaptive.model_zoo import prepare
+
+    return prepare("gemma3-270m", quiet=True)
+
+
 def _model_key(model_dir: Path) -> dict:
     from vllm_adaptive.depth.profile import model_fingerprint
 
     return {"model": model_fingerprint(model_dir), **artifacts.machine_key()}
 
 
-def _stock(model_dir: Path, dtype: str, workloads: list[str]) -> dict:
-    args = suite_engine_args(dtype)
+def _stock(model_dir: Path, dtype: str, workloads: list[str], **overrides) -> dict:
+    args = suite_engine_args(dtype, **overrides)
     key = {
         **_model_key(model_dir),
         "engine_args": args,
@@ -109,6 +118,13 @@ def stock_f32(model_dir: Path) -> dict:
     """Stock vLLM (plugin not loaded), float32, the suite's engine arguments: the speculation
     workloads and the ARLA batch."""
     return _stock(model_dir, "float32", ["spec_mixed", "spec_cache", "spec_stat", "arla_batch"])
+
+
+@pytest.fixture(scope="session")
+def stock_gemma_bf16(gemma_dir: Path) -> dict:
+    """Stock vLLM (plugin not loaded) on Gemma 3, bf16, the suite's engine arguments: the
+    identity workload."""
+    return _stock(gemma_dir, "bfloat16", ["identity"], num_gpu_blocks_override=GEMMA3_NUM_BLOCKS)
 
 
 @pytest.fixture(scope="session")

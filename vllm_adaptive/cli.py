@@ -103,6 +103,12 @@ def _cmd_train_m2r2(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_oracle(args: argparse.Namespace) -> int:
+    from vllm_adaptive.oracle import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-adaptive", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_m2r2_arguments(m2r2)
     m2r2.set_defaults(func=_cmd_train_m2r2)
+
+    from vllm_adaptive.oracle import add_oracle_arguments
+
+    oracle = sub.add_parser(
+        "oracle", help="logit-lens oracle: layers needed for zero-error exits (no vLLM)"
+    )
+    add_oracle_arguments(oracle)
+    oracle.set_defaults(func=_cmd_oracle)
     return parser
 
 

@@ -20,6 +20,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 NUM_BLOCKS = 12  # x 128 slots: long batches preempt
+#: Gemma 3 270M: vLLM's hybrid KV cache splits its 15 sliding-window and 3 global layers into 6
+#: groups of 3 layers, and a request holds blocks in every group, so one 1024-token request
+#: needs more than 12 blocks; 48 still make the identity batch (10 requests x 6 groups) preempt.
+GEMMA3_NUM_BLOCKS = 48
 
 
 def suite_engine_args(dtype: str = "bfloat16", **overrides: Any) -> dict[str, Any]:

@@ -114,7 +114,8 @@ def test_unsupported_architecture_refused() -> None:
             model_config=SimpleNamespace(architectures=archs), additional_config=additional
         )
 
-    check_architecture_supported(cfg(["Gemma3ForCausalLM"], {}))  # adaptivity off: fine
+    check_architecture_supported(cfg(["Qwen2ForCausalLM"], {}))  # adaptivity off: fine
     check_architecture_supported(cfg(["LlamaForCausalLM"], {"adaptive": {}}))
-    with pytest.raises(AdaptiveConfigError, match="no adaptive model class.*Gemma3ForCausalLM"):
-        check_architecture_supported(cfg(["Gemma3ForCausalLM"], {"adaptive": {}}))
+    check_architecture_supported(cfg(["Gemma3ForCausalLM"], {"adaptive": {}}))
+    with pytest.raises(AdaptiveConfigError, match="no adaptive model class.*Qwen2ForCausalLM"):
+        check_architecture_supported(cfg(["Qwen2ForCausalLM"], {"adaptive": {}}))
