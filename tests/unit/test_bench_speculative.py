@@ -28,6 +28,13 @@ def test_specs_map_to_engine_settings() -> None:
     assert spec_label(parse_spec('{"draft": {"draft": "early", "layers": 8}, "k": 4}')) == (
         "early 8 layers k=4"
     )
+    fp16 = parse_spec(
+        '{"draft": {"draft": "lowbit", "precision": "w8a8"}, "k": 3,'
+        ' "target": {"policy": "fixed", "gear": "fp16"}}'
+    )
+    additional, _ = engine_settings(fp16)
+    assert additional["adaptive"]["precision"] == {"policy": "fixed", "gear": "fp16"}
+    assert spec_label(fp16) == "lowbit w8a8 k=3, target fp16"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +45,7 @@ def test_specs_map_to_engine_settings() -> None:
         ('{"k": 2}', "either"),
         ('{"k": 2, "draft": {"draft": "lowbit"}, "extra": 1}', "unknown keys"),
         ("not json", "not JSON"),
+        ('{"method": "ngram", "k": 2, "target": {"policy": "fixed"}}', "needs a"),
     ],
 )
 def test_bad_specs_are_refused(text: str, match: str) -> None:
