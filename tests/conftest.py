@@ -1,21 +1,69 @@
-"""Shared fixtures. Engines are expensive here (about a minute to start on
-2 cores), so every engine is a session fixture and started at most once."""
+"""Suite-wide fixtures and the tiers.
+
+The tier of a test is the folder it lives in, and its marker is applied here from the path:
+
+- ``tests/unit``: no engine (``-m unit``);
+- ``tests/engine``: real vLLM engines (``-m engine``), one engine per module, alive only while
+  its module runs;
+- ``tests/server``: real ``vllm serve`` processes (``-m server``);
+- ``tests/slow``: the full suite only (``-m slow``; ``bash scripts/test.sh --all``).
+
+Expensive shared inputs (the stock references, the calibrated exit profile) are built once and
+kept on disk keyed by the model, versions, ISA and the code that makes them
+(``tests/support/artifacts.py``), so concurrent workers (``pytest -n 2``) share them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support import artifacts
+from tests.support.engines import GEMMA3_NUM_BLOCKS, run_stock, suite_engine_args
+
 # Bound the CPU KV cache: without it vLLM reserves 92% of the NUMA node.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# LLM.apply_model sends a function to the worker; ours are importable
+# (vllm_adaptive.introspection) but vLLM still requires this opt-in.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-REPO = Path(__file__).resolve().parent.parent
+
+def _bind_engine_threads() -> None:
+    """Under pytest-xdist, give each worker's engines their own CPU.
+
+    vLLM's automatic binding puts every engine on the same core of a 2-core machine (it
+    reserves the other for the frontend), so two workers' engines would share one core while
+    the other idles.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    index = int(worker.removeprefix("gw") or 0)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[index % len(cpus)])
+
+
+_bind_engine_threads()
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "engine", "server", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, taken from its folder (before ``-m`` selects)."""
+    for item in items:
+        rel = Path(str(item.path)).resolve().relative_to(TESTS)
+        tier = rel.parts[0] if len(rel.parts) > 1 else None
+        if tier not in TIERS:
+            raise pytest.UsageError(
+                f"{rel}: a test module must live in one of tests/{{{','.join(TIERS)}}}/"
+            )
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
@@ -26,70 +74,109 @@ def model_dir() -> Path:
     return prepare("smollm2-135m-instruct", quiet=True)
 
 
-# LLM.apply_model sends a function to the worker; ours are importable
-# (vllm_adaptive.introspection) but vLLM still requires this opt-in.
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+@pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """Gemma 3 270M, the second architecture, prepared from its chunked PyPI GGUF (no hub;
+    cached after the first preparation)."""
+    from vllm_adaptive.model_zoo import prepare
+
+    return prepare("gemma3-270m", quiet=True)
+
+
+def _model_key(model_dir: Path) -> dict:
+    from vllm_adaptive.depth.profile import model_fingerprint
+
+    return {"model": model_fingerprint(model_dir), **artifacts.machine_key()}
+
+
+def _stock(model_dir: Path, dtype: str, workloads: list[str], **overrides) -> dict:
+    args = suite_engine_args(dtype, **overrides)
+    key = {
+        **_model_key(model_dir),
+        "engine_args": args,
+        "workloads": workloads,
+        "code": artifacts.code_hash(
+            "tests/support/workloads.py", "tests/support/engine_outputs.py"
+        ),
+    }
+
+    def build(d: Path) -> None:
+        run_stock(model_dir, args, workloads, d / "outputs.json")
+
+    return json.loads((artifacts.cached(f"stock-{dtype}", key, build) / "outputs.json").read_text())
 
 
 @pytest.fixture(scope="session")
-def stock_reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Outputs of stock vLLM with the plugin not loaded (VLLM_PLUGINS="")."""
-    out = tmp_path_factory.mktemp("stock") / "outputs.json"
-    env = {**os.environ, "VLLM_PLUGINS": ""}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "engine_outputs.py"), str(model_dir), "{}", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+def stock_bf16(model_dir: Path) -> dict:
+    """Stock vLLM (plugin not loaded), bf16, the suite's engine arguments: the identity
+    workload and the exits-off batch."""
+    return _stock(model_dir, "bfloat16", ["identity", "exits_off"])
 
 
 @pytest.fixture(scope="session")
-def depth_profile(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def stock_f32(model_dir: Path) -> dict:
+    """Stock vLLM (plugin not loaded), float32, the suite's engine arguments: the speculation
+    workloads and the ARLA batch."""
+    return _stock(model_dir, "float32", ["spec_mixed", "spec_cache", "spec_stat", "arla_batch"])
+
+
+@pytest.fixture(scope="session")
+def stock_gemma_bf16(gemma_dir: Path) -> dict:
+    """Stock vLLM (plugin not loaded) on Gemma 3, bf16, the suite's engine arguments: the
+    identity workload."""
+    return _stock(gemma_dir, "bfloat16", ["identity"], num_gpu_blocks_override=GEMMA3_NUM_BLOCKS)
+
+
+@pytest.fixture(scope="session")
+def depth_profile(model_dir: Path) -> Path:
     """A small real EMAD calibration of the default model (about a minute), shared by the
-    depth engine and server tests: probes every 2 layers, rank 16."""
+    depth engines and servers: probes every 2 layers, rank 16. Cached by model fingerprint
+    and calibration code."""
+    import platform
+
     from vllm_adaptive.bench.corpus import default_code_corpus
     from vllm_adaptive.depth.calibrate import CalibrationOptions, calibrate
     from vllm_adaptive.depth.collect import CollectConfig
 
-    tmp = tmp_path_factory.mktemp("depth")
-    corpus = default_code_corpus(tmp / "code.txt", max_chars=300_000)
     opts = CalibrationOptions(
         budget=0.6,
         rank=16,
         collect=CollectConfig(window=128, tokens=1024, keep=64, probe_every=2),
     )
-    calibrate(model_dir, [corpus], tmp / "profile", opts, progress=False)
-    return tmp / "profile"
+    key = {
+        **_model_key(model_dir),
+        "python": platform.python_version(),  # the code corpus is its standard library
+        "options": repr(opts),
+        "code": artifacts.code_hash("vllm_adaptive/depth", "vllm_adaptive/bench/corpus.py"),
+    }
 
+    def build(d: Path) -> None:
+        corpus = default_code_corpus(d / "code.txt", max_chars=300_000)
+        calibrate(model_dir, [corpus], d / "profile", opts, progress=False)
 
-def _shutdown(llm) -> None:
-    """Stop the engine's processes now rather than at interpreter exit."""
-    llm.llm_engine.engine_core.shutdown()
-
-
-def _make_llm(model_dir: Path, additional_config: dict, **engine_args):
-    """The suite's engine: bf16, eager, seed 0; ``engine_args`` add to or override that."""
-    from vllm import LLM
-
-    args = {"dtype": "bfloat16", "enforce_eager": True, "seed": 0, "max_model_len": 1024}
-    return LLM(model=str(model_dir), additional_config=additional_config, **(args | engine_args))
+    return artifacts.cached("depth-profile", key, build) / "profile"
 
 
 @pytest.fixture(scope="session")
-def plugin_off_llm(model_dir: Path):
-    """Plugin installed and loaded, adaptivity not requested: must be stock vLLM."""
-    llm = _make_llm(model_dir, {})
-    yield llm
-    _shutdown(llm)
+def smoothing_profile(model_dir: Path) -> Path:
+    """A small real SmoothQuant calibration of the default model (activation maxima over 2048
+    tokens of code), for the w8a8 precision. Cached by model fingerprint and code."""
+    import platform
 
+    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.precision.smoothing import calibrate_smoothing
 
-@pytest.fixture(scope="session")
-def adaptive_llm(model_dir: Path):
-    """The adaptive model class with every mechanism off (`{"adaptive": {}}`)."""
-    llm = _make_llm(model_dir, {"adaptive": {}})
-    yield llm
-    _shutdown(llm)
+    key = {
+        **_model_key(model_dir),
+        "python": platform.python_version(),
+        "tokens": 2048,
+        "code": artifacts.code_hash(
+            "vllm_adaptive/precision/smoothing.py", "vllm_adaptive/bench/corpus.py"
+        ),
+    }
+
+    def build(d: Path) -> None:
+        corpus = default_code_corpus(d / "code.txt", max_chars=300_000)
+        calibrate_smoothing(model_dir, [corpus], d / "profile", tokens=2048, progress=False)
+
+    return artifacts.cached("smoothing-profile", key, build) / "profile"

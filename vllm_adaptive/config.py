@@ -15,7 +15,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from vllm_adaptive.precision.gears import GEARBX_GEARS, QUICKSILVER_GEARS, Precision, precision_rank
+from vllm_adaptive.precision.gears import (
+    GEARBX_GEARS,
+    GEARBX_GEARS_F32,
+    QUICKSILVER_GEARS,
+    Precision,
+    precision_rank,
+)
 from vllm_adaptive.precision.policies.gearbx import GearbxSettings
 from vllm_adaptive.precision.policies.quicksilver import QuickSilverSettings
 from vllm_adaptive.strict_model import StrictModel
@@ -30,8 +36,9 @@ class AdaptiveConfigError(ValueError):
 
 _Strict = StrictModel
 
-#: Linear layers of a Llama decoder layer that precision gears can manage.
-MANAGED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: Linear layers of a Llama decoder layer that precision gears can manage, and the LM head.
+MANAGED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+LAYER_MODULES = MANAGED_MODULES[:4]
 GearMap = tuple[Precision, Precision, Precision]
 
 
@@ -56,6 +63,15 @@ class LayerGroup(_Strict):
         return self
 
 
+class SmoothingConfig(_Strict):
+    """SmoothQuant for the ``w8a8`` precision: ``s_j = max|X_j|^alpha / max|W_j|^(1-alpha)``."""
+
+    profile: str
+    """Directory written by ``vllm-adaptive calibrate --smoothing`` for this model."""
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    """Migration strength (SmoothQuant section 4; 0.5 for most models)."""
+
+
 class PrecisionConfig(_Strict):
     """Entropy-routed precision (GEARBX, QuickSilver AMQ) or one fixed packed gear."""
 
@@ -63,15 +79,25 @@ class PrecisionConfig(_Strict):
     gear: Precision | None = None
     """policy "fixed": the precision every managed linear runs."""
     gears: GearMap | None = Field(None, strict=False)
-    """(low, mid, high) precisions; default (int4, int8, full) for gearbx, (int2, int4, int8)
-    for quicksilver."""
+    """(low, mid, high) precisions; default for gearbx (int4, int8, full) with bf16 / fp16
+    activations and (w8a8, fp16, full) with float32 ones (the fast kernels for each), and
+    (int2, int4, int8) for quicksilver."""
     routing: Literal["step", "token"] | None = None
     """"step": one gear per step for the whole batch (the most demanding request decides);
     "token": each token runs its request's gear, tokens grouped by gear. Default: step for
     gearbx, token for quicksilver."""
-    modules: tuple[Literal["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ...] = Field(
-        MANAGED_MODULES, strict=False, min_length=1
+    modules: tuple[Literal["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"], ...] = (
+        Field(MANAGED_MODULES, strict=False, min_length=1)
     )
+    """Which linears are geared; ``lm_head`` is the output projection (a copy of the weights
+    when they are tied to the embedding, which keeps its float weight)."""
+    head_gears: GearMap | None = Field(None, strict=False)
+    """(low, mid, high) precisions of the LM head. Default: ``fp16`` at every level whose layer
+    precision is not ``full`` (an int4 / int8 head costs agreement that fp16 keeps), ``full``
+    where it is."""
+    smoothing: SmoothingConfig | None = None
+    """SmoothQuant smoothing of the ``w8a8`` tiers, from a profile made by
+    ``vllm-adaptive calibrate --smoothing``."""
     layer_groups: tuple[LayerGroup, ...] = Field((), strict=False)
     """Per layer-group gear maps; layers in no group use ``gears``. quicksilver with no groups
     runs the first half of the layers at its high gear (the paper quantizes from mid-network)."""
@@ -94,13 +120,32 @@ class PrecisionConfig(_Strict):
     def _check(self) -> PrecisionConfig:
         if self.policy == "fixed":
             if self.gear is None:
-                raise ValueError('policy "fixed" needs "gear" (full, int8, int4 or int2)')
+                raise ValueError(
+                    'policy "fixed" needs "gear" (full, fp16, int8, w8a8, int4 or int2)'
+                )
             if self.gears is not None or self.layer_groups:
                 raise ValueError('policy "fixed" takes "gear", not "gears"/"layer_groups"')
         elif self.gear is not None:
             raise ValueError(f'"gear" is for policy "fixed"; policy {self.policy!r} uses "gears"')
         if self.gears is not None:
             _check_gear_order(self.gears, "gears")
+        if self.head_gears is not None:
+            _check_gear_order(self.head_gears, "head_gears")
+            if "lm_head" not in self.modules:
+                raise ValueError('"head_gears" needs "lm_head" in "modules"')
+        if (
+            self.smoothing is not None
+            and (self.gears is not None or self.policy != "gearbx")
+            and (
+                "w8a8"
+                not in {
+                    *self.level_gears,
+                    *(p for g in self.layer_groups for p in g.gears),
+                    *(self.head_gears or ()),
+                }
+            )
+        ):
+            raise ValueError('"smoothing" applies to the w8a8 precision, which no gear uses')
         if self.group_size is not None and self.group_size not in (32, 64, 128, 256):
             raise ValueError("group_size must be one of 32, 64, 128, 256 or null (per row)")
         spans = sorted(g.layers for g in self.layer_groups)
@@ -112,6 +157,24 @@ class PrecisionConfig(_Strict):
         if self.quicksilver.tau_low >= self.quicksilver.tau_high:
             raise ValueError("quicksilver.tau_low must be below quicksilver.tau_high")
         return self
+
+    def for_dtype(self, dtype_name: str) -> PrecisionConfig:
+        """This config with the dtype-dependent defaults filled in (``dtype_name``: the
+        model's activation dtype, e.g. "float32"); errors name the key."""
+        if self.gears is not None or self.policy != "gearbx" or dtype_name != "float32":
+            resolved = self
+        else:
+            resolved = self.model_copy(update={"gears": GEARBX_GEARS_F32})
+        if resolved.smoothing is not None and "w8a8" not in {
+            *resolved.level_gears,
+            *(p for g in resolved.layer_groups for p in g.gears),
+            *(resolved.head_gears or ()),
+        }:
+            raise ValueError(
+                f'"smoothing" applies to the w8a8 precision; the gears of this {dtype_name} '
+                f"engine are {list(resolved.level_gears)}"
+            )
+        return resolved
 
     @property
     def level_gears(self) -> GearMap:
@@ -132,6 +195,15 @@ class PrecisionConfig(_Strict):
         if self.tiers is not None:
             return self.tiers
         return "matryoshka" if self.policy == "quicksilver" else "independent"
+
+    @property
+    def head_map(self) -> GearMap | None:
+        """The (low, mid, high) precisions of the LM head, None if it is not geared."""
+        if "lm_head" not in self.modules:
+            return None
+        if self.head_gears is not None:
+            return self.head_gears
+        return tuple("full" if g == "full" else "fp16" for g in self.level_gears)  # type: ignore[return-value]
 
     def layer_map(self, layer: int, num_layers: int) -> GearMap:
         """The (low, mid, high) precisions of one decoder layer."""
@@ -277,8 +349,11 @@ class ExitRiverConfig(_Strict):
 
     entry_layer: int = Field(1, ge=1)
     """L_s: the river holds copies of layers L_s+1 .. L (a token may exit after L_s blocks)."""
+    precision: Literal["int4", "int8", "w8a8", "fp16"] = "int4"
+    """The river's weights: int4 (River-LLM), int8 weight-only, W8A8 (int8 weights and
+    per-token int8 activations: the fast path for float32 activations) or fp16."""
     group_size: int = Field(32, ge=8)
-    """Quantization group along the input dimension."""
+    """int4: quantization group along the input dimension."""
     symmetric: bool = False
     """False: asymmetric min/max (the Q4_1 grid the default model's weights sit on, so nearly
     lossless there); True: symmetric absmax, which is not on that grid."""
@@ -350,14 +425,15 @@ class SpeculativeConfig(_Strict):
     "lowbit": every block with packed low-precision copies of the model's own weights."""
     layers: int | None = Field(None, ge=1)
     """Draft depth for "early" and "m2r2" (default 4; "m2r2" takes the adapter's)."""
-    precision: Literal["int8", "int4"] | None = None
-    """"lowbit": the weight precision of the draft (default int4). int8 is per-row symmetric."""
+    precision: Literal["int8", "int4", "w8a8", "fp16"] | None = None
+    """"lowbit": the weight precision of the draft (default int4). int8 is per-row symmetric
+    weight-only; w8a8 adds per-token int8 activations (the fast path for float32 engines)."""
     group_size: int = Field(32, ge=8)
     """"lowbit" int4: quantization group along the input dimension."""
     symmetric: bool = False
     """"lowbit" int4: False is asymmetric min/max (on the default model's Q4_1 grid, so close
     to the model itself: a control), True symmetric absmax (off that grid)."""
-    head: Literal["full", "int8", "int4"] | None = None
+    head: Literal["full", "fp16", "w8a8", "int8", "int4"] | None = None
     """Precision of the draft's LM head; default the draft precision for "lowbit", else full."""
     adapter: str | None = None
     """"m2r2": directory written by ``vllm-adaptive train m2r2 --mode spec``."""
@@ -403,11 +479,15 @@ class AdaptiveConfig(_Strict):
                 '"precision" and "depth" cannot be combined yet: gear plans are made per '
                 "token for the whole step, depth-peeling shrinks the batch inside the step"
             )
-        if self.speculative is not None and (self.precision is not None or self.depth is not None):
+        if self.speculative is not None and (
+            self.depth is not None
+            or (self.precision is not None and self.precision.policy != "fixed")
+        ):
             raise ValueError(
-                '"speculative" cannot be combined with "precision" or "depth": verification '
-                "scores several tokens per request per step (the draft already runs low "
-                'precision or few layers: see "speculative.draft")'
+                '"speculative" cannot be combined with "depth" or with an entropy-routed '
+                '"precision" policy: verification scores several tokens per request per step (the '
+                'draft already runs low precision or few layers: see "speculative.draft"; a '
+                'target at one fixed precision, e.g. {"policy": "fixed", "gear": "fp16"}, works)'
             )
         return self
 

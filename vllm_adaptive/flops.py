@@ -68,7 +68,14 @@ class DenseShape:
 
 
 #: Bytes per parameter each precision reads with packed kernels (GEARBX table 7; int2 is ours).
-BYTES_PER_PARAM = {"full": 2.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}
+BYTES_PER_PARAM = {
+    "full": 2.0,
+    "fp16": 2.0,
+    "int8": 1.0,
+    "w8a8": 1.0,
+    "int4": 0.5,
+    "int2": 0.25,
+}
 
 
 def ideal_speedup(managed_fraction: float, gear_fractions: dict[str, float]) -> float:

@@ -6,6 +6,7 @@ send them to the worker by reference).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -29,3 +30,23 @@ def depth_telemetry(model: Any) -> dict[str, Any] | None:
     """Engine exit statistics and per-request depth records of an adaptive-depth engine."""
     runtime = getattr(model, "depth", None)
     return runtime.requests.telemetry() if runtime is not None else None
+
+
+def worker_report(model: Any) -> dict[str, Any]:
+    """Everything above for one worker, with its process id: a caller that fans out over
+    several engines (Ray Serve replicas, where the router picks the engine) can then tell
+    which engine answered."""
+    return {
+        "pid": os.getpid(),
+        **describe_model(model),
+        "gears": gear_telemetry(model),
+        "depth": depth_telemetry(model),
+    }
+
+
+def kernel_dispatch(model: Any) -> dict[str, Any]:
+    """The float-activation kernels this worker measured and picked per format, shape and
+    token-count bucket, and the machine they were measured on (``kernels/autotune.py``)."""
+    from vllm_adaptive.kernels import autotune
+
+    return {"machine": autotune.cpu_info(), "dispatch": autotune.table().summary()}

@@ -1,7 +1,7 @@
-"""Adaptive-depth metrics on vLLM's ``/metrics``, via a ``vllm.stat_logger_plugins`` entry point.
+"""Adaptive metrics on vLLM's ``/metrics``, via a ``vllm.stat_logger_plugins`` entry point.
 
-The depth runtime runs in the worker process and writes cumulative totals to
-``engine-<pid>.json`` (:mod:`vllm_adaptive.telemetry_exchange`). vLLM's
+The depth runtime and the precision controller run in the worker process and write cumulative
+totals to ``engine-<pid>.json`` (:mod:`vllm_adaptive.telemetry_exchange`). vLLM's
 frontend instantiates :class:`AdaptiveStatLogger` (``AsyncLLM`` loads the
 stat-logger plugin group, so ``vllm serve`` and ``AsyncLLM`` get it; the
 offline ``LLM`` class does not load stat-logger plugins: read
@@ -17,9 +17,17 @@ in prometheus_client's default registry, which vLLM's ``/metrics`` serves:
 ``vllm_adaptive:layers_executed_total``     counter  decode token-layers executed
 ``vllm_adaptive:mean_decode_depth``         gauge    layers_executed / decode_tokens
                                                      (absent before the first decode token)
-``vllm_adaptive:decision_seconds_total``    counter  time spent deciding exits
+``vllm_adaptive:decision_seconds_total``    counter  time spent deciding exits or gears
 ``vllm_adaptive:forward_seconds_total``     counter  forward time
+``vllm_adaptive:gear_tokens_total{gear}``   counter  decode tokens by precision gear (low,
+                                                     mid, high; off: adaptive_mode "off")
+``vllm_adaptive:gear_shifts_total``         counter  gear changes between consecutive decode
+                                                     tokens of a request
 ==========================================  =======  =====================================
+
+Depth engines count exits; precision engines count every decode token at full depth (all
+layers run, at some precision) and add the gear families. The families are exported on every
+server with the plugin; they stay 0 on engines without either mechanism.
 
 Why a custom collector: the files already hold cumulative totals. A
 prometheus_client ``Counter`` can only be incremented, so exporting a file
@@ -73,11 +81,17 @@ COUNTERS = (
     (
         "decision_seconds_total",
         "decision_seconds",
-        "Seconds spent deciding early exits.",
+        "Seconds spent deciding early exits or precision gears.",
     ),
     ("forward_seconds_total", "forward_seconds", "Seconds spent in adaptive forward passes."),
+    (
+        "gear_shifts_total",
+        "gear_shifts",
+        "Precision gear changes between consecutive decode tokens of a request.",
+    ),
 )
 EXIT_TOKENS = "exit_tokens_total"
+GEAR_TOKENS = "gear_tokens_total"
 MEAN_DEPTH = "mean_decode_depth"
 MIN_REFRESH_INTERVAL_S = 1.0
 
@@ -92,6 +106,7 @@ def aggregate_engine_stats(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]
     """Sum engine stats dicts: the totals the metrics export. Bad fields count as absent."""
     totals: dict[str, Any] = {key: 0.0 for _, key, _ in COUNTERS}
     exits: dict[int, float] = {}
+    gears: dict[str, float] = {}
     for entry in stats:
         for _, key, _ in COUNTERS:
             value = _number(entry.get(key))
@@ -107,7 +122,14 @@ def aggregate_engine_stats(stats: Iterable[Mapping[str, Any]]) -> dict[str, Any]
                     continue
                 if value is not None:
                     exits[layers] = exits.get(layers, 0.0) + value
+        by_gear = entry.get("gear_tokens")
+        if isinstance(by_gear, Mapping):
+            for gear, count in by_gear.items():
+                value = _number(count)
+                if isinstance(gear, str) and value is not None:
+                    gears[gear] = gears.get(gear, 0.0) + value
     totals["exit_tokens"] = {str(d): exits[d] for d in sorted(exits)}
+    totals["gear_tokens"] = dict(sorted(gears.items()))
     return totals
 
 
@@ -168,12 +190,19 @@ class AdaptiveTelemetryCollector(Collector):
         mean = GaugeMetricFamily(
             PREFIX + MEAN_DEPTH, "Mean decoder layers run per decode token (cumulative)."
         )
+        gears = CounterMetricFamily(
+            PREFIX + GEAR_TOKENS,
+            "Decode tokens by the precision gear they ran at (off: adaptive_mode off).",
+            labels=["gear"],
+        )
         if totals is not None:
             for depth, count in totals["exit_tokens"].items():
                 exits.add_metric([depth], count)
             if totals["decode_tokens"] > 0:
                 mean.add_metric([], totals["layers_executed"] / totals["decode_tokens"])
-        return [*families, exits, mean]
+            for gear, count in totals["gear_tokens"].items():
+                gears.add_metric([gear], count)
+        return [*families, exits, mean, gears]
 
     def describe(self) -> list[Metric]:
         return self._families(None)

@@ -4,6 +4,11 @@ vLLM calls `register()` in every process it starts, possibly more than once
 per process, so registration is idempotent. In the frontend it runs before the
 engine and worker processes are spawned, so the telemetry exchange directory
 it ensures (`$ADAPTIVE_STATS_DIR`) is inherited by all of them.
+
+It also applies the plugin's runtime replacements of vLLM functions
+(:mod:`vllm_adaptive.vllm_patches`: the per-request checks that need the engine's config or
+must run before a streaming response starts), in every process, before vLLM builds its
+engines and its HTTP app.
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ def register() -> None:
     from vllm_adaptive.telemetry_exchange import ensure_stats_dir
 
     ensure_stats_dir()
+
+    from vllm_adaptive.vllm_patches import apply_vllm_patches
+
+    apply_vllm_patches()
 
     from vllm import ModelRegistry
 

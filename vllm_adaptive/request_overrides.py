@@ -6,67 +6,133 @@ only carries strings, numbers and lists:
     client.completions.create(..., extra_body={"vllm_xargs": {"adaptive_mode": "off"}})
     SamplingParams(extra_args={"adaptive_mode": "off"})
 
-Validation runs at request admission through vLLM's logits-processor
-`validate_params` hook, so a bad value becomes HTTP 400 (a
-`VLLMValidationError`) instead of an engine crash or a silent default. The
-validator itself never changes logits.
+Three checks, each a `VLLMValidationError` (HTTP 400 on the OpenAI server) naming the key and
+what was sent:
+
+1. syntax: known keys, strict types (a JSON boolean is not a number), ranges;
+2. contradictions within the request (`adaptive_mode: "off"` with a gear or a budget);
+3. what this engine can honour (`adaptive_gear` needs gears, a depth budget below 1.0 needs
+   EMAD's signal): needs the engine's adaptive config, see :func:`engine_request_check`.
+
+vLLM's logits-processor hook `validate_params` (the validator class below) runs 1 and 2 at
+admission in every engine. It gets no engine config, so 3 and the timing (before a streaming
+response starts) come from the replacements in :mod:`vllm_adaptive.vllm_patches`. The
+validator itself never changes logits. The keys and their syntax rules live in
+:mod:`vllm_adaptive.overrides` (no vLLM there: the MLX server uses them too).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+from vllm_adaptive.overrides import (
+    EXTRA_ARGS_PREFIX,
+    RequestOverrideError,
+    RequestOverrides,
+    check_overrides,
+    parse_overrides,
+    shown,
+)
+
+__all__ = ["EXTRA_ARGS_PREFIX", "RequestOverrides", "parse_request_overrides", "validate_overrides"]
+
 logger = logging.getLogger("vllm.adaptive.requests")
 
-#: Prefix of every per-request adaptive key in `extra_args`.
-EXTRA_ARGS_PREFIX = "adaptive_"
-
-
-class RequestOverrides(BaseModel):
-    """What one request may change about the engine's adaptive behaviour."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    mode: Literal["off"] | None = None
-    """"off": run this request with every adaptive mechanism disabled (full precision, full
-    depth; on a self-speculative engine the request gets no drafts)."""
-    gear: Literal["low", "mid", "high"] | None = None
-    """Pin this request's precision gear level (engines with ``adaptive.precision``)."""
-    depth_budget: float | None = Field(None, gt=0.0, le=1.0)
-    """This request's adaptive-depth budget (engines with ``adaptive.depth``); 1.0: no exits."""
-    request_tag: str | None = Field(None, min_length=1, max_length=200)
-    """Name under which the request's telemetry (gear counts, traces) is recorded."""
+#: ``engine`` argument of :func:`validate_overrides` when the engine's config is not known.
+ENGINE_UNKNOWN: Any = object()
 
 
 def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOverrides:
     """Collect and validate the `adaptive_*` keys; other keys belong to others."""
-    fields = {
-        key[len(EXTRA_ARGS_PREFIX) :]: value
-        for key, value in (extra_args or {}).items()
-        if isinstance(key, str) and key.startswith(EXTRA_ARGS_PREFIX)
-    }
     try:
-        return RequestOverrides.model_validate(fields)
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = EXTRA_ARGS_PREFIX + ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            known = ", ".join(EXTRA_ARGS_PREFIX + f for f in RequestOverrides.model_fields)
-            msg = f"unknown per-request adaptive key {key!r} (known: {known})"
-        else:
-            msg = (
-                f"invalid per-request adaptive value for {key!r}: {first['msg']} "
-                f"(got {first.get('input')!r})"
+        return parse_overrides(extra_args)
+    except RequestOverrideError as e:
+        raise VLLMValidationError(str(e), parameter=e.parameter, value=e.value) from None
+
+
+def _no_section(adaptive: Any, section: str, what: str) -> str:
+    if adaptive is None:
+        return (
+            f"this engine runs without an adaptive config, so it has no {what} (start it with "
+            f'--additional-config \'{{"adaptive": {{"{section}": ...}}}}\')'
+        )
+    if adaptive.mode == "off":
+        return f'this engine\'s adaptive.mode is "off", so it has no {what}'
+    running = ", ".join(s for s in ("precision", "depth", "speculative") if getattr(adaptive, s))
+    return (
+        f"this engine has no adaptive.{section} section, so no {what} "
+        f"(it runs: {running or 'no adaptive mechanism'})"
+    )
+
+
+def unsupported_reason(overrides: RequestOverrides, adaptive: Any) -> tuple[str, str] | None:
+    """``(key, why)`` of the first override an engine with this adaptive config (an
+    ``AdaptiveConfig``, or None for none) cannot honour; None when it honours them all."""
+    if overrides.gear is not None:
+        precision = adaptive.active_precision if adaptive is not None else None
+        if precision is None:
+            return "adaptive_gear", _no_section(adaptive, "precision", "precision gears")
+        if precision.policy == "fixed":
+            return "adaptive_gear", (
+                f'this engine\'s precision policy is "fixed": every gear level runs '
+                f'{precision.gear} (adaptive_mode "off" runs full precision)'
             )
-        raise VLLMValidationError(msg, parameter=key, value=first.get("input")) from None
+    if overrides.depth_budget is not None:
+        depth = adaptive.active_depth if adaptive is not None else None
+        if depth is None:
+            return "adaptive_depth_budget", _no_section(adaptive, "depth", "adaptive depth")
+        signals = tuple(depth.signal.policy)
+        if overrides.depth_budget < 1.0 and "emad" not in signals:
+            return "adaptive_depth_budget", (
+                "a budget sets EMAD's exit thresholds and this engine's exit signal is "
+                f"{'+'.join(signals)}; only 1.0 (no exits) applies"
+            )
+    return None
+
+
+def validate_overrides(
+    extra_args: Mapping[str, Any] | None, engine: Any = ENGINE_UNKNOWN
+) -> RequestOverrides:
+    """All three checks (see the module docstring); ``engine``: the engine's
+    ``AdaptiveConfig`` (None: no adaptive config), or ENGINE_UNKNOWN to skip the third."""
+    overrides = parse_request_overrides(extra_args)
+    try:
+        check_overrides(overrides)
+    except RequestOverrideError as e:
+        raise VLLMValidationError(str(e), parameter=e.parameter, value=e.value) from None
+    if engine is not ENGINE_UNKNOWN:
+        reason = unsupported_reason(overrides, engine)
+        if reason is not None:
+            key, why = reason
+            value = (extra_args or {}).get(key)
+            raise VLLMValidationError(
+                f"{key}={shown(value)} cannot be honoured: {why}", parameter=key, value=value
+            )
+    return overrides
+
+
+def engine_request_check(vllm_config: Any) -> Callable[[Any], None]:
+    """The per-request check of one engine, knowing its adaptive config (see
+    :mod:`vllm_adaptive.vllm_patches`, which calls it where vLLM holds the engine's config)."""
+    from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
+
+    try:
+        adaptive = adaptive_config_from_vllm(vllm_config)
+    except AdaptiveConfigError:
+        adaptive = ENGINE_UNKNOWN  # the engine refuses to start with it and says why
+
+    def check(params: Any) -> None:
+        if isinstance(params, SamplingParams):
+            validate_overrides(params.extra_args, adaptive)
+
+    return check
 
 
 def check_architecture_supported(vllm_config: Any) -> None:
@@ -94,15 +160,7 @@ class AdaptiveRequestValidator(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        overrides = parse_request_overrides(sampling_params.extra_args)
-        for name in ("gear", "depth_budget"):
-            value = getattr(overrides, name)
-            if overrides.mode == "off" and value is not None:
-                raise VLLMValidationError(
-                    f"adaptive_mode='off' and adaptive_{name} contradict each other; give one",
-                    parameter=f"adaptive_{name}",
-                    value=value,
-                )
+        validate_overrides(sampling_params.extra_args)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         # Built in every engine's worker at start: the one place that sees the
@@ -127,7 +185,8 @@ class AdaptiveRequestValidator(LogitsProcessor):
             for _, params, _, _ in batch_update.added:
                 extra = (params.extra_args or {}) if params is not None else {}
                 if key in extra:
-                    # validate_params gets no engine config, so this cannot be a 400; say it.
+                    # Refused at admission by the engine-aware check (vllm_patches); reached
+                    # only where vLLM could not be patched: say what is ignored.
                     logger.warning(
                         "vllm-adaptive: %s=%r ignored: this engine has no adaptive.%s section",
                         key,

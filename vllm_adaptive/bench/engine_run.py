@@ -1,10 +1,13 @@
 """One engine's measurements, run in its own process by the harness.
 
-Usage (internal): python -m vllm_adaptive.bench.engine_run SPEC.json OUT.json
+Usage (internal):
+    python -m vllm_adaptive.bench.engine_run SPEC.json OUT.json      # everything once
+    python -m vllm_adaptive.bench.engine_run --serve SPEC.json FD     # commands on stdin
 
-Each engine gets a fresh process so that engines never share memory, caches
+Each engine gets a process of its own so that engines never share memory, caches
 or threads, and a crash in one config is reported instead of taking down the
-whole benchmark.
+whole benchmark. In ``--serve`` mode the engine stays alive and the harness asks for
+one measurement at a time, so that engines can be timed alternately (ABBA) seconds apart.
 """
 
 from __future__ import annotations
@@ -26,55 +29,121 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list[Any]:
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
-def measure_throughput(
-    llm: Any, prompts: list[list[int]], batch_sizes: list[int], max_tokens: int, repeats: int
-) -> dict[str, dict[str, float]]:
-    """Decode tokens/s, TTFT and mean inter-token latency per batch size.
-
-    Prefill time is measured by the same batch with max_tokens=1; decode time
-    is the rest of a max_tokens run. The prefix cache is reset before every
-    timed call so that no call reuses another's prefill.
-    """
+def timed_generate(
+    llm: Any, batch: list[list[int]], n: int, pids: dict[str, int] | None = None, tag: str = "tp"
+) -> tuple[float, dict[str, float | None], list[list[int]]]:
+    """Greedy ``n`` tokens for every prompt of ``batch`` (``ignore_eos``), prefix cache reset
+    first so that no call reuses another's prefill: (wall seconds, CPU seconds of each engine
+    process in ``pids`` over the call, output token ids)."""
     from vllm import SamplingParams
 
-    def timed(batch: list[list[int]], n: int) -> float:
-        llm.reset_prefix_cache()
-        params = [
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=n,
-                ignore_eos=True,
-                detokenize=False,
-                extra_args={"adaptive_request_tag": f"tp-b{len(batch)}-n{n}-{j}"},
-            )
-            for j in range(len(batch))
-        ]
-        t0 = time.perf_counter()
-        outs = _generate(llm, batch, params)
-        dt = time.perf_counter() - t0
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return dt
+    from vllm_adaptive.bench.cputime import cpu_delta, cpu_snapshot
 
-    timed(prompts[: max(batch_sizes)], 4)  # warm-up: allocator, kernels, caches
-    result: dict[str, dict[str, float]] = {"decode_tokens_per_s": {}, "ttft_s": {}, "itl_s": {}}
-    for b in batch_sizes:
-        batch = prompts[:b]
-        best_rate, best = 0.0, (0.0, 0.0)
-        for _ in range(repeats):
-            prefill = timed(batch, 1)
-            full = timed(batch, max_tokens)
-            decode = max(full - prefill, 1e-9)
-            rate = b * (max_tokens - 1) / decode
-            if rate > best_rate:
-                best_rate, best = rate, (prefill, decode / (max_tokens - 1))
-        result["decode_tokens_per_s"][str(b)] = best_rate
-        result["ttft_s"][str(b)] = best[0]
-        result["itl_s"][str(b)] = best[1]
-        _log(
-            f"  batch {b:>3}: {best_rate:8.1f} decode tok/s, ttft {best[0] * 1e3:7.1f} ms, "
-            f"itl {best[1] * 1e3:6.1f} ms"
+    llm.reset_prefix_cache()
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=n,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"adaptive_request_tag": f"{tag}-b{len(batch)}-n{n}-{j}"},
         )
+        for j in range(len(batch))
+    ]
+    before = cpu_snapshot(pids or {})
+    t0 = time.perf_counter()
+    outs = _generate(llm, batch, params)
+    dt = time.perf_counter() - t0
+    cpu = cpu_delta(before, cpu_snapshot(pids or {}))
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(t) == n for t in tokens)
+    return dt, cpu, tokens
+
+
+def measure_batch(
+    llm: Any,
+    prompts: list[list[int]],
+    b: int,
+    max_tokens: int,
+    repeats: int,
+    pids: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Decode tokens/s, TTFT, mean inter-token latency and CPU seconds per decode token of each
+    engine process, for the first ``b`` prompts; best of ``repeats`` by tokens/s.
+
+    Prefill is the same batch with max_tokens=1, timed before and after the full run and the
+    faster of the two kept; decode is the rest of a max_tokens run (for wall time and CPU time
+    alike). One slow prefill reading (a hiccup of the machine) would otherwise be subtracted
+    from a normal full run and leave a decode time near zero: a round at batch 32 once read
+    10^12 tokens/s that way."""
+    batch = prompts[:b]
+    steps = max_tokens - 1
+    best: dict[str, Any] | None = None
+    for _ in range(repeats):
+        prefill, cpu_prefill, _ = timed_generate(llm, batch, 1, pids)
+        full, cpu_full, _ = timed_generate(llm, batch, max_tokens, pids)
+        again, cpu_again, _ = timed_generate(llm, batch, 1, pids)
+        if again < prefill:
+            prefill, cpu_prefill = again, cpu_again
+        decode = max(full - prefill, 1e-9)
+        rate = b * steps / decode
+        if best is None or rate > best["decode_tokens_per_s"]:
+            cpu_tok = {}
+            for role, c in cpu_full.items():
+                p = cpu_prefill.get(role)
+                cpu_tok[role] = (
+                    max(c - p, 0.0) / (b * steps) if c is not None and p is not None else None
+                )
+            best = {
+                "decode_tokens_per_s": rate,
+                "ttft_s": prefill,
+                "itl_s": decode / steps,
+                "cpu_s_per_token": cpu_tok,
+                "cpu_s_full_run": cpu_full,
+            }
+    assert best is not None
+    return best
+
+
+def measure_throughput(
+    llm: Any,
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+    max_tokens: int,
+    repeats: int,
+    pids: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Every batch size once (see ``measure_batch``), after a warm-up; the record of one round:
+    maps batch size -> value for ``decode_tokens_per_s``, ``ttft_s``, ``itl_s``, and
+    ``cpu_s_per_token`` role -> batch size -> CPU seconds per decode token."""
+    warmup(llm, prompts, batch_sizes)
+    result: dict[str, Any] = {"decode_tokens_per_s": {}, "ttft_s": {}, "itl_s": {}}
+    cpu: dict[str, dict[str, float | None]] = {}
+    for b in batch_sizes:
+        m = measure_batch(llm, prompts, b, max_tokens, repeats, pids)
+        for key in ("decode_tokens_per_s", "ttft_s", "itl_s"):
+            result[key][str(b)] = m[key]
+        for role, v in m["cpu_s_per_token"].items():
+            cpu.setdefault(role, {})[str(b)] = v
+        _log(describe_measurement(b, m))
+    if cpu:
+        result["cpu_s_per_token"] = cpu
     return result
+
+
+def warmup(llm: Any, prompts: list[list[int]], batch_sizes: list[int]) -> None:
+    """Untimed runs at every batch size: allocator, kernels for those shapes, caches."""
+    for b in sorted(set(batch_sizes)):
+        timed_generate(llm, prompts[:b], 4, tag="warmup")
+
+
+def describe_measurement(b: int, m: dict[str, Any]) -> str:
+    worker = (m.get("cpu_s_per_token") or {}).get("worker")
+    return (
+        f"  batch {b:>3}: {m['decode_tokens_per_s']:8.1f} decode tok/s, ttft "
+        f"{m['ttft_s'] * 1e3:7.1f} ms, itl {m['itl_s'] * 1e3:6.1f} ms"
+        + (f", worker {worker * 1e3:6.2f} CPU ms/token" if worker is not None else "")
+    )
 
 
 def greedy_outputs(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -143,7 +212,8 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
     }
 
 
-def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+def start_engine(spec: dict[str, Any]) -> tuple[Any, float]:
+    """The engine ``spec`` describes (teacher forcing installed when asked): (LLM, start s)."""
     from vllm import LLM
 
     from vllm_adaptive.bench.teacher_forcing import TeacherForcingLogitsProcessor
@@ -169,23 +239,114 @@ def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     )
     start_s = time.perf_counter() - t0
     _log(f"  engine started in {start_s:.0f} s")
-    out: dict[str, Any] = {"engine_start_s": start_s}
+    return llm, start_s
+
+
+def free_running_outputs(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The first ``n`` greedy tokens of every prompt, all prompts in one batch (untimed)."""
+    _, _, tokens = timed_generate(llm, prompts, n, tag="fr")
+    return tokens
+
+
+def quality(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """What is measured once per engine: teacher-forced streams, free-running greedy outputs."""
+    out: dict[str, Any] = {}
+    if spec["teacher_forcing"]:
+        out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
+    if spec.get("free_running_tokens"):
+        t0 = time.perf_counter()
+        out["free_running_outputs"] = free_running_outputs(
+            llm, spec["prompts"], spec["free_running_tokens"]
+        )
+        _log(
+            f"  free-running: {len(spec['prompts'])} prompts x {spec['free_running_tokens']} "
+            f"greedy tokens in {time.perf_counter() - t0:.1f} s"
+        )
+    return out
+
+
+def finish(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """What is read at the end of an engine's life: telemetry, memory, kernel dispatch."""
+    from vllm_adaptive.bench.dispatch import collect_dispatch
+
+    out: dict[str, Any] = {}
+    if spec.get("speculative_config"):
+        out["speculation"] = speculation_metrics(llm)
+    if spec["additional_config"]:
+        out["gears"] = collect_gear_telemetry(llm)
+        out["depth"] = collect_depth_telemetry(llm)
+    out.update(collect_dispatch(llm))
+    out["memory"] = collect_memory(llm)
+    return out
+
+
+def run(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """One engine, every measurement once (the speculation bench's engine)."""
+    from vllm_adaptive.bench.cputime import engine_pids
+
+    llm, start_s = start_engine(spec)
+    pids = engine_pids(llm)
+    out: dict[str, Any] = {"engine_start_s": start_s, "pids": pids}
     out.update(
         measure_throughput(
-            llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"], spec["repeats"]
+            llm, spec["prompts"], spec["batch_sizes"], spec["max_tokens"], spec["repeats"], pids
         )
     )
     if spec.get("greedy_outputs"):
         out["greedy_outputs"] = greedy_outputs(llm, spec["prompts"], spec["max_tokens"])
-    if speculative:
-        out["speculation"] = speculation_metrics(llm)
-    if spec["teacher_forcing"]:
-        out["teacher_forced"] = measure_teacher_forced(llm, spec["streams"])
-    if spec["additional_config"]:
-        out["gears"] = collect_gear_telemetry(llm)
-        out["depth"] = collect_depth_telemetry(llm)
-    out["memory"] = collect_memory(llm)
+    out.update(quality(llm, spec))
+    out.update(finish(llm, spec))
     return out, llm
+
+
+def serve(spec: dict[str, Any], reply_fd: int) -> Any:
+    """Keep one engine alive and answer the harness's commands, one JSON object per line on
+    stdin, each answered by one JSON line on ``reply_fd`` (vLLM logs to stdout, so replies get
+    a pipe of their own). Commands: ``warmup``, ``measure`` (``batch``), ``quality``,
+    ``finish``, ``stop``. The first line written is ``{"ready": ...}`` once the engine runs."""
+    from vllm_adaptive.bench.cputime import engine_pids
+
+    reply = os.fdopen(reply_fd, "w", buffering=1)
+
+    def send(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    llm, start_s = start_engine(spec)
+    pids = engine_pids(llm)
+    send({"ready": True, "engine_start_s": start_s, "pids": pids})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        name = cmd.get("cmd")
+        try:
+            if name == "warmup":
+                warmup(llm, spec["prompts"], spec["batch_sizes"])
+                send({"ok": True})
+            elif name == "measure":
+                b = int(cmd["batch"])
+                send(
+                    measure_batch(
+                        llm, spec["prompts"], b, spec["max_tokens"], spec["repeats"], pids
+                    )
+                )
+            elif name == "quality":
+                send(quality(llm, spec))
+            elif name == "finish":
+                send(finish(llm, spec))
+            elif name == "stop":
+                send({"ok": True})
+                break
+            else:
+                send({"error": f"unknown command {name!r}"})
+        except Exception as e:  # noqa: BLE001 - reported to the harness, which stops the bench
+            import traceback
+
+            traceback.print_exc()
+            send({"error": f"{type(e).__name__}: {e}"})
+    reply.close()
+    return llm
 
 
 def collect_memory(llm: Any) -> dict[str, Any]:
@@ -237,7 +398,21 @@ def collect_gear_telemetry(llm: Any) -> dict[str, Any] | None:
     return tel
 
 
+def _leave(llm: Any) -> None:
+    # vLLM's CPU engine sometimes aborts during interpreter teardown
+    # ("terminate called without an active exception"); the measurements are
+    # already delivered, so stop the engine explicitly and leave without teardown.
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
+    if sys.argv[1] == "--serve":
+        with open(sys.argv[2]) as f:
+            spec = json.load(f)
+        _leave(serve(spec, int(sys.argv[3])))
     spec_path, out_path = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
         spec = json.load(f)
@@ -246,13 +421,7 @@ def main() -> None:
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.replace(tmp, out_path)  # the result exists only once it is complete
-    # vLLM's CPU engine sometimes aborts during interpreter teardown
-    # ("terminate called without an active exception"); the measurements are
-    # already on disk, so stop the engine explicitly and leave without teardown.
-    llm.llm_engine.engine_core.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave(llm)
 
 
 if __name__ == "__main__":

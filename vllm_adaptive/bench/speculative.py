@@ -2,11 +2,13 @@
 
 Each ``--spec`` is one engine: ``{"method": "ngram", "k": 4}`` (vLLM's built-in prompt-lookup
 proposer) or ``{"draft": {...adaptive.speculative...}, "k": 4}`` (the plugin's self-speculative
-proposer). For every corpus, stock vLLM and every spec engine run the same prompts from that
-corpus; reported per engine and batch size: decode tokens/s and its ratio to stock, acceptance
-rate and mean accepted length (vLLM's own counters), and whether greedy output was identical to
-stock's (speculation is lossless: in float32 it must be; in bfloat16 verification of k+1 tokens
-at once may round differently from one at a time).
+proposer), optionally with ``"target": {...adaptive.precision...}`` (a fixed-gear target, e.g.
+``{"policy": "fixed", "gear": "fp16"}``: the draft is verified by the fp16 model, which in float32
+gives stock's greedy output). For every corpus, stock vLLM and every spec engine run the same
+prompts from that corpus; reported per engine and batch size: decode tokens/s and its ratio to
+stock, acceptance rate and mean accepted length (vLLM's own counters), and whether greedy output
+was identical to stock's (speculation is lossless: in float32 it must be; in bfloat16
+verification of k+1 tokens at once may round differently from one at a time).
 """
 
 from __future__ import annotations
@@ -34,16 +36,26 @@ def parse_spec(text: str) -> dict[str, Any]:
         raise ValueError(f"--spec {text!r}: not JSON ({e})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("k"), int) or spec["k"] < 1:
         raise ValueError(f"--spec {text!r}: needs an integer k >= 1")
-    unknown = set(spec) - {"k", "method", "draft", "label"}
+    unknown = set(spec) - {"k", "method", "draft", "target", "label"}
     if unknown:
         raise ValueError(f"--spec {text!r}: unknown keys {sorted(unknown)}")
     if ("method" in spec) == ("draft" in spec):
         raise ValueError(f'--spec {text!r}: give either "method": "ngram" or "draft": {{...}}')
     if "method" in spec and spec["method"] != "ngram":
         raise ValueError(f"--spec {text!r}: the only built-in method benched is ngram")
+    if "target" in spec and "draft" not in spec:
+        raise ValueError(f'--spec {text!r}: "target" (a precision section) needs a "draft"')
     if "draft" in spec:
-        parse_adaptive_config({"speculative": spec["draft"]})
+        parse_adaptive_config(_adaptive(spec))
     return spec
+
+
+def _adaptive(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``adaptive`` section of a self-speculative spec engine."""
+    out = {"speculative": spec["draft"]}
+    if "target" in spec:
+        out["precision"] = spec["target"]
+    return out
 
 
 def spec_label(spec: dict[str, Any]) -> str:
@@ -52,13 +64,14 @@ def spec_label(spec: dict[str, Any]) -> str:
     if "method" in spec:
         return f"ngram k={spec['k']}"
     d = spec["draft"]
+    target = f", target {spec['target'].get('gear', 'geared')}" if "target" in spec else ""
     if d["draft"] == "lowbit":
         q = d.get("precision", "int4")
         if q == "int4":
             q += " sym" if d.get("symmetric") else " asym (on grid)"
-        return f"lowbit {q} k={spec['k']}"
+        return f"lowbit {q} k={spec['k']}{target}"
     depth = d.get("layers", "adapter" if d["draft"] == "m2r2" else 4)
-    return f"{d['draft']} {depth} layers k={spec['k']}"
+    return f"{d['draft']} {depth} layers k={spec['k']}{target}"
 
 
 def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -67,7 +80,7 @@ def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         cfg = {"method": "ngram", "num_speculative_tokens": spec["k"]}
         cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
         return {}, cfg
-    return {"adaptive": {"speculative": spec["draft"]}}, {
+    return {"adaptive": _adaptive(spec)}, {
         "method": "custom_class",
         "model": SELF_SPECULATIVE_PROPOSER,
         "num_speculative_tokens": spec["k"],

@@ -11,14 +11,23 @@ adaptive decisions included.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from vllm_adaptive.bench.metrics import ForcedStream, greedy_agreement, perplexity
+
+__all__ = [
+    "FORCE_KEY",
+    "ForcedStream",
+    "TeacherForcingLogitsProcessor",
+    "greedy_agreement",
+    "perplexity",
+    "read_forced_output",
+]
 
 FORCE_KEY = "bench_force_tokens"
 
@@ -85,14 +94,6 @@ class TeacherForcingLogitsProcessor(LogitsProcessor):
         return logits
 
 
-@dataclass
-class ForcedStream:
-    """What one teacher-forced request yields, position by position."""
-
-    logprobs: list[float]  # log p(forced token | prefix), decode steps only
-    greedy: list[int]  # the model's argmax at the same positions
-
-
 def read_forced_output(output: Any, forced: list[int]) -> ForcedStream:
     """Extract per-position logprobs of the forced tokens and the greedy tokens.
 
@@ -110,17 +111,3 @@ def read_forced_output(output: Any, forced: list[int]) -> ForcedStream:
         lps.append(entry[tok].logprob)
         greedy.append(next(t for t, lp in entry.items() if lp.rank == 1))
     return ForcedStream(lps, greedy)
-
-
-def perplexity(streams: list[ForcedStream]) -> float:
-    total = [lp for s in streams for lp in s.logprobs]
-    return math.exp(-sum(total) / len(total))
-
-
-def greedy_agreement(run: list[ForcedStream], reference: list[ForcedStream]) -> float:
-    same = n = 0
-    for a, b in zip(run, reference, strict=True):
-        for x, y in zip(a.greedy, b.greedy, strict=True):
-            same += int(x == y)
-            n += 1
-    return same / n

@@ -12,6 +12,13 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--corpus", action="append", required=True, help="plain-text file (repeat)")
     p.add_argument("--out", required=True, help="profile directory to write")
+    p.add_argument(
+        "--smoothing",
+        action="store_true",
+        help="write a SmoothQuant smoothing profile for the w8a8 precision (per-channel "
+        "activation maxima of every linear's input; --tokens and --window apply) instead of "
+        "an adaptive-depth profile",
+    )
     p.add_argument("--budget", type=float, default=0.6, help="cost fraction of full depth")
     p.add_argument("--budget-kind", choices=("layers", "flops"), default="layers")
     p.add_argument("--tokens", type=int, default=256 * 32, help="teacher-forced")

@@ -1,15 +1,19 @@
 """A calibration profile as the runtime uses it: probe layers, readout norms, proxy factors,
 and the q-table that turns any budget into per-layer exit thresholds; plus, when it was
 calibrated with ``--signal quicksilver`` / ``--signal river``, those signals' thresholds (None
-otherwise: older profiles load unchanged)."""
+otherwise: older profiles load unchanged).
+
+``ExitProfile.load(..., framework="numpy")`` holds numpy arrays instead of torch tensors and
+imports no torch (the MLX backend's path); the default keeps torch tensors for the vLLM runtime.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
 from vllm_adaptive.depth.profile import ProfileError, load_profile
 
@@ -32,12 +36,12 @@ class ExitProfile:
     temperature: float
     budget: float
     budget_kind: str  # "layers" | "flops"
-    norm_a: torch.Tensor  # [P, d]
-    norm_b: torch.Tensor  # [P, d]
-    lowrank_u: torch.Tensor  # [V, r]
-    lowrank_v: torch.Tensor  # [d, r]
+    norm_a: Any  # [P, d] float32 (torch tensor, or numpy array with framework="numpy")
+    norm_b: Any  # [P, d]
+    lowrank_u: Any  # [V, r]
+    lowrank_v: Any  # [d, r]
     proxy: str  # "lowrank" | "feature": the proxy the thresholds were calibrated for
-    feature_knots: list[tuple[torch.Tensor, torch.Tensor]]  # per probe, isotonic map knots
+    feature_knots: list[tuple[Any, Any]]  # per probe, isotonic map knots (float64)
     topk: int
     proxy_floor: np.ndarray  # [P] smallest proxy value: thresholds below it never pass
     thresholds: np.ndarray  # [P] at the profile's own budget
@@ -52,15 +56,33 @@ class ExitProfile:
     river_table_cost: np.ndarray | None = None  # [R] simulated cost fraction (budget_kind)
 
     @classmethod
-    def load(cls, profile_dir: str | Path, model_dir: str | Path) -> ExitProfile:
-        """Load and check a profile for ``model_dir``; `ProfileError` says what is wrong."""
-        prof = load_profile(profile_dir, model_dir)
+    def load(
+        cls, profile_dir: str | Path, model_dir: str | Path, framework: str = "pt"
+    ) -> ExitProfile:
+        """Load and check a profile for ``model_dir``; `ProfileError` says what is wrong.
+        ``framework``: "pt" (torch tensors) or "numpy" (numpy arrays, no torch import)."""
+        prof = load_profile(profile_dir, model_dir, framework="numpy")
         missing = [k for k in _REQUIRED if k not in prof.tensors]
         if missing:
             raise ProfileError(
                 f"profile {profile_dir} lacks {missing}: made by an older calibrate; recalibrate"
             )
         m, t = prof.meta, prof.tensors
+        if framework == "pt":
+            import torch
+
+            def arr(a: np.ndarray, dtype: Any = np.float32) -> Any:
+                return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+        elif framework == "numpy":
+
+            def arr(a: np.ndarray, dtype: Any = np.float32) -> Any:
+                return np.ascontiguousarray(a, dtype=dtype)
+        else:
+            raise ValueError(f'framework must be "pt" or "numpy", not {framework!r}')
+
+        def f64(name: str) -> np.ndarray:
+            return np.asarray(t[name], dtype=np.float64)
+
         kind = m.get("budget_kind", "layers")
         return cls(
             probe_layers=[int(x) for x in m["probe_layers"]],
@@ -68,41 +90,35 @@ class ExitProfile:
             temperature=float(m.get("temperature", 1.0)),
             budget=float(m["budget"]),
             budget_kind=kind,
-            norm_a=t["norm_a"].float(),
-            norm_b=t["norm_b"].float(),
-            lowrank_u=t["lowrank_u"].float(),
-            lowrank_v=t["lowrank_v"].float(),
+            norm_a=arr(t["norm_a"]),
+            norm_b=arr(t["norm_b"]),
+            lowrank_u=arr(t["lowrank_u"]),
+            lowrank_v=arr(t["lowrank_v"]),
             proxy=str(m.get("proxy", "lowrank")),
             feature_knots=[
-                (t[f"feature_knots_x.{p}"], t[f"feature_knots_y.{p}"])
+                (arr(t[f"feature_knots_x.{p}"], None), arr(t[f"feature_knots_y.{p}"], None))
                 for p in range(len(m["probe_layers"]))
                 if f"feature_knots_x.{p}" in t
             ],
             topk=int(m.get("topk", 32)),
             proxy_floor=(
-                t["proxy_floor"].double().numpy()
-                if "proxy_floor" in t
-                else np.zeros(len(m["probe_layers"]))
+                f64("proxy_floor") if "proxy_floor" in t else np.zeros(len(m["probe_layers"]))
             ),
-            thresholds=t["threshold"].double().numpy(),
-            table_thresholds=t["table_thresholds"].double().numpy(),
-            table_cost=t[f"table_{kind}_fraction"].double().numpy(),
+            thresholds=f64("threshold"),
+            table_thresholds=f64("table_thresholds"),
+            table_cost=f64(f"table_{kind}_fraction"),
             path=str(profile_dir),
             special_token_ids=tuple(int(i) for i in m.get("special_token_ids", [])),
             quicksilver_thresholds=(
-                tuple(float(x) for x in t["quicksilver_thresholds"].tolist())
+                tuple(float(x) for x in np.asarray(t["quicksilver_thresholds"]).tolist())
                 if "quicksilver_thresholds" in t
                 else None
             ),
             quicksilver_entropy=str(m.get("quicksilver", {}).get("entropy", "proxy")),
             river_tau=float(t["river_tau"][0]) if "river_tau" in t else None,
-            river_table_tau=(
-                t["river_table_tau"].double().numpy() if "river_table_tau" in t else None
-            ),
+            river_table_tau=f64("river_table_tau") if "river_table_tau" in t else None,
             river_table_cost=(
-                t[f"river_table_{kind}_fraction"].double().numpy()
-                if f"river_table_{kind}_fraction" in t
-                else None
+                f64(f"river_table_{kind}_fraction") if f"river_table_{kind}_fraction" in t else None
             ),
         )
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
-from vllm_adaptive.kernels.packed import PackedWeight, quantize
+from vllm_adaptive.kernels.packed import PackedWeight
+from vllm_adaptive.kernels.weights import Weight, autotune_weight, linear, quantize_weight
 from vllm_adaptive.precision.tiers import packed_resident_bytes
 
 logger = logging.getLogger("vllm.adaptive.depth")
@@ -49,7 +49,7 @@ LINEARS = (
 @dataclass
 class RiverLayer:
     index: int  # 0-based backbone layer index
-    packed: dict[str, PackedWeight]  # "qkv_proj" ... -> int4 copy
+    packed: dict[str, Weight]  # "qkv_proj" ... -> reduced-precision copy
 
 
 def _linear(layer: Any, name: str) -> Any:
@@ -59,23 +59,28 @@ def _linear(layer: Any, name: str) -> Any:
 
 class ExitRiver:
     def __init__(
-        self, layers: Any, entry_layer: int, group_size: int, symmetric: bool, bits: int = 4
+        self,
+        layers: Any,
+        entry_layer: int,
+        group_size: int,
+        symmetric: bool,
+        precision: str = "int4",
     ) -> None:
         """Quantize the linears of blocks ``entry_layer+1 .. L`` (0-based ``entry_layer ..
-        L-1``); run after the weights are loaded. ``bits`` 8 is per-row symmetric (the layout
-        the int8 kernel reads; ``group_size`` and ``symmetric`` are then unused)."""
+        L-1``); run after the weights are loaded. ``group_size`` and ``symmetric`` apply to
+        int4; int8 is per-row symmetric (the packed kernel's layout), w8a8 per-row symmetric
+        weights with per-token activations, fp16 the weight rounded."""
         self.entry_layer = entry_layer
-        self.bits = bits
-        self.group_size = group_size if bits != 8 else None
-        self.symmetric = symmetric or bits == 8
+        self.precision = precision
+        self.group_size = group_size if precision == "int4" else None
+        self.symmetric = symmetric or precision != "int4"
         self.layers: dict[int, RiverLayer] = {}
         for i in range(entry_layer, len(layers)):
             packed = {}
             for _, name in LINEARS:
                 w = _linear(layers[i], name).weight.detach()
-                packed[name] = quantize(
-                    w, bits, self.group_size, symmetric=self.symmetric, check_double_quant=False
-                )
+                packed[name] = quantize_weight(w, precision, self.group_size, self.symmetric)
+                autotune_weight(packed[name])
             self.layers[i] = RiverLayer(i, packed)
         self.offloaded: dict[str, int] = {}
         self.offload_file: str | None = None
@@ -83,14 +88,20 @@ class ExitRiver:
 
     @property
     def quantizer(self) -> str:
-        if self.bits == 8:
+        if self.precision == "int8":
             return "int8 per-row sym absmax"
+        if self.precision == "w8a8":
+            return "w8a8 per-row sym, per-token activations"
+        if self.precision == "fp16":
+            return "fp16"
         kind = "sym absmax" if self.symmetric else "asym min/max"
-        return f"int{self.bits} g{self.group_size} {kind}"
+        return f"int4 g{self.group_size} {kind}"
 
     def resident_bytes(self) -> int:
         return sum(
-            packed_resident_bytes(p) for r in self.layers.values() for p in r.packed.values()
+            packed_resident_bytes(p) if isinstance(p, PackedWeight) else p.resident_bytes()
+            for r in self.layers.values()
+            for p in r.packed.values()
         )
 
     # -- one layer, backbone rows and river rows together ----------------------------------------
@@ -100,9 +111,8 @@ class ExitRiver:
         lin = _linear(layer, name)
         packed = self.layers[layer_index(layer)].packed[name]
         # every row in the river (backbone None): no gather
-        xr = x.contiguous() if backbone is None else x.index_select(0, river).contiguous()
-        path = choose_path_cached(packed, xr.shape[0], x.dtype)
-        yr = bound_kernel(packed, path, x.dtype)(xr)
+        xr = x if backbone is None else x.index_select(0, river)
+        yr = linear(packed, xr)
         if lin.bias is not None:
             yr = yr + lin.bias
         if backbone is None:

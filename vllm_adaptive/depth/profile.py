@@ -4,19 +4,22 @@ The JSON holds every scalar and list (probe layers, rank, temperature, q, alpha,
 thresholds, margins, figures) plus a model fingerprint and the sha256 of the tensor file.
 `load_profile` refuses, with a `ProfileError` naming the problem, a profile made for another
 model, a missing or corrupt file, or another format version.
+
+Reading needs no torch: the fingerprint reads the safetensors header and converts the few
+hashed rows with numpy (bf16 / f16 to float32 is exact, so the bytes equal torch's), and
+``load_profile(..., framework="numpy")`` returns numpy arrays (the MLX backend's path).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+import numpy as np
 
 FORMAT_VERSION = 1
 JSON_NAME = "profile.json"
@@ -33,7 +36,24 @@ class ProfileError(Exception):
 @dataclass
 class Profile:
     meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, Any] = field(default_factory=dict)  # torch tensors or numpy arrays
+
+
+#: safetensors dtypes the fingerprint can widen to float32 (exactly, as torch's ``.float()``)
+_ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+
+
+def _header(f: BinaryIO) -> dict[str, Any]:
+    (n,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(n))
+
+
+def _rows_as_float32(raw: bytes, dtype: str) -> np.ndarray:
+    if dtype == "BF16":  # bfloat16 is the top half of a float32
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float32)
+    return np.frombuffer(raw, dtype="<f4" if dtype == "F32" else "<f8").astype(np.float32)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -47,14 +67,21 @@ def model_fingerprint(model_dir: str | Path) -> str:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ProfileError(f"model directory {model_dir} has no *.safetensors weights")
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in sorted(st.keys()):
-                sl = st.get_slice(name)
-                h.update(f"{name}:{sl.get_dtype()}:{list(sl.get_shape())};".encode())
+    for path in files:
+        with open(path, "rb") as f:
+            header = _header(f)
+            base = f.tell()
+            for name in sorted(k for k in header if k != "__metadata__"):
+                info = header[name]
+                dtype, shape = info["dtype"], list(info["shape"])
+                h.update(f"{name}:{dtype}:{shape};".encode())
                 if name in _FINGERPRINT_TENSORS:
-                    t = st.get_slice(name)[:_FINGERPRINT_ROWS]
-                    h.update(t.float().contiguous().numpy().tobytes())
+                    if dtype not in _ST_ITEMSIZE:
+                        raise ProfileError(f"{path}: cannot fingerprint {name} of dtype {dtype}")
+                    row = int(np.prod(shape[1:], dtype=np.int64)) * _ST_ITEMSIZE[dtype]
+                    nbytes = min(shape[0], _FINGERPRINT_ROWS) * row if shape else 0
+                    f.seek(base + info["data_offsets"][0])
+                    h.update(_rows_as_float32(f.read(nbytes), dtype).tobytes())
     return h.hexdigest()
 
 
@@ -63,6 +90,8 @@ def _sha256_file(path: Path) -> str:
 
 
 def save_profile(profile: Profile, out_dir: str | Path, model_dir: str | Path) -> Path:
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in profile.tensors.items()}
@@ -76,7 +105,14 @@ def save_profile(profile: Profile, out_dir: str | Path, model_dir: str | Path) -
     return out
 
 
-def load_profile(profile_dir: str | Path, model_dir: str | Path) -> Profile:
+def load_profile(profile_dir: str | Path, model_dir: str | Path, framework: str = "pt") -> Profile:
+    """Check and load a profile; tensors as torch tensors (``"pt"``) or numpy arrays."""
+    if framework == "pt":
+        from safetensors.torch import load_file
+    elif framework == "numpy":
+        from safetensors.numpy import load_file
+    else:
+        raise ValueError(f'framework must be "pt" or "numpy", not {framework!r}')
     d = Path(profile_dir)
     jpath, tpath = d / JSON_NAME, d / TENSORS_NAME
     if not jpath.is_file():

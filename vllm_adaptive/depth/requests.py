@@ -63,11 +63,12 @@ class DepthRequests:
 
         o = parse_request_overrides(params.extra_args if params is not None else None)
         self.seen += 1
-        off = o.mode == "off"
+        # A budget of 1.0 means no exits whatever the signal: with EMAD combined with another
+        # signal (combine "any"), 1.0 would otherwise only silence EMAD.
+        off = o.mode == "off" or (o.depth_budget is not None and o.depth_budget >= 1.0)
         if o.depth_budget is not None and not self.runtime.uses_budget:
             # validate_params sees no engine config, so this cannot be a 400: honour the one
             # budget every signal understands (1.0: no exits) and say what is ignored.
-            off = off or o.depth_budget >= 1.0
             if o.depth_budget < 1.0:
                 self.runtime.warn_once(
                     "budget-signal",

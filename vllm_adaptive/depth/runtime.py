@@ -159,7 +159,9 @@ class DepthRuntime:
     def build_river(self, model: Any) -> None:
         """Quantize the river's layers; called once the float weights are loaded."""
         r = self.config.river_settings
-        self.river = ExitRiver(model.layers, r.entry_layer, r.group_size, r.symmetric)
+        self.river = ExitRiver(
+            model.layers, r.entry_layer, r.group_size, r.symmetric, precision=r.precision
+        )
         if r.offload_backbone:
             self.river.map_backbone(model.layers)
         logger.info(

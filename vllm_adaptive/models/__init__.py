@@ -22,4 +22,10 @@ ADAPTIVE_ARCHITECTURES: tuple[AdaptiveArchitecture, ...] = (
         adaptive_cls="vllm_adaptive.models.llama:AdaptiveLlamaForCausalLM",
         dispatch_cls="vllm_adaptive.models.dispatch:LlamaForCausalLMDispatch",
     ),
+    AdaptiveArchitecture(
+        stock="Gemma3ForCausalLM",
+        adaptive="AdaptiveGemma3ForCausalLM",
+        adaptive_cls="vllm_adaptive.models.gemma3:AdaptiveGemma3ForCausalLM",
+        dispatch_cls="vllm_adaptive.models.dispatch:Gemma3ForCausalLMDispatch",
+    ),
 )

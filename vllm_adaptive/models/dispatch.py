@@ -21,6 +21,7 @@ import importlib
 from typing import Any
 
 from vllm.logger import init_logger
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
@@ -62,4 +63,14 @@ class LlamaForCausalLMDispatch(LlamaForCausalLM):
         adaptive_cls = _ADAPTIVE_CLS["LlamaForCausalLM"]
         return _dispatch(
             LlamaForCausalLMDispatch, LlamaForCausalLM, adaptive_cls, cls, args, kwargs
+        )
+
+
+class Gemma3ForCausalLMDispatch(Gemma3ForCausalLM):
+    """Registered over "Gemma3ForCausalLM"; see the module docstring."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        adaptive_cls = _ADAPTIVE_CLS["Gemma3ForCausalLM"]
+        return _dispatch(
+            Gemma3ForCausalLMDispatch, Gemma3ForCausalLM, adaptive_cls, cls, args, kwargs
         )

@@ -57,10 +57,11 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             )
     if adaptive.active_precision is None:
         return
-    if spec is not None:
+    if spec is not None and adaptive.active_precision.policy != "fixed":
         raise AdaptiveConfigError(
             "adaptive.precision: speculative decoding scores several tokens per request per "
-            "step; gear control needs one sampled row per request (turn one of them off)"
+            'step; gear control needs one sampled row per request (use policy "fixed" with '
+            "speculation, or turn one of them off)"
         )
     cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if (
@@ -228,8 +229,9 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
                 raise AdaptiveConfigError(str(e)) from None
         if self.adaptive_config.active_precision is not None:
             self.precision = install_precision(
-                self, self.adaptive_config.active_precision, self._tokenizer_path
+                self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
             )
+            self.precision.stats.num_layers = self.config.num_hidden_layers
         return loaded
 
     def forward(
@@ -247,6 +249,13 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
             if rows is not None:
                 calibrate_from_prefill(self, hidden, rows)
         return hidden
+
+    def kernel_dispatch(self) -> dict:
+        """The reduced-precision kernels this worker measured and runs, per format, shape and
+        token-count bucket (the bench records it next to its timings)."""
+        from vllm_adaptive.introspection import kernel_dispatch
+
+        return kernel_dispatch(self)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden_states)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from vllm_adaptive.batch_mirror import SlotMirror, listener, register_listener
 from vllm_adaptive.precision.entropy import entropy_bits
 from vllm_adaptive.precision.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
+from vllm_adaptive.precision.telemetry import PrecisionTelemetry
 
 logger = logging.getLogger("vllm.adaptive.precision")
 
@@ -44,6 +46,7 @@ class Slot:
     state: RequestGearState
     prompt_len: int
     pinned: int | None = None  # a code fixed by the request (gear level or OFF)
+    prefill_code: int = HIGH  # code of the steps that prefill the prompt (and make token 1)
     entropies: list[float] = field(default_factory=list)
     codes: list[int] = field(default_factory=list)  # code of the step that made each token
 
@@ -51,13 +54,21 @@ class Slot:
     def code(self) -> int:
         return self.pinned if self.pinned is not None else self.state.level
 
+    def code_at(self, last_position: int) -> int:
+        """Code of a step whose last token of this request sits at ``last_position``: a step
+        that is still reading the prompt (a prefill chunk, or the one that makes the first
+        token) runs the prefill code."""
+        return self.prefill_code if last_position < self.prompt_len else self.code
+
     def record(self, policy: GearPolicy, layer_maps: list[tuple[str, ...]]) -> dict[str, Any]:
         counts = {name: 0 for name in CODE_NAMES}
         for c in self.codes:
             counts[CODE_NAMES[c]] += 1
-        shifts = sum(a != b for a, b in zip(self.codes, self.codes[1:], strict=False))
+        decode = self.codes[1:]  # the first token comes from the prefill step
+        shifts = sum(a != b for a, b in zip(decode, decode[1:], strict=False))
         return {
             "tag": self.tag,
+            "mechanism": "precision",
             "prompt_tokens": self.prompt_len,
             "generated_tokens": len(self.codes),
             "gear_tokens": counts,
@@ -66,6 +77,8 @@ class Slot:
             "entropy_bits": [round(e, 4) for e in self.entropies],
             "gears": [CODE_NAMES[c] for c in self.codes],
             "pinned": CODE_NAMES[self.pinned] if self.pinned is not None else None,
+            "prefill_gear": CODE_NAMES[self.prefill_code],
+            "finished_at": time.time(),
         }
 
 
@@ -78,7 +91,6 @@ class StepPlan:
     query_start: np.ndarray | None
     pending_logits: bool = True
     groups: dict = field(default_factory=dict)
-    num_tokens: int = -1
 
 
 class PrecisionController:
@@ -104,6 +116,9 @@ class PrecisionController:
         self.max_finished = 4096
         self.requests_seen = 0
         self.telemetry_path = precision_config.telemetry_path
+        # engine counters and records for the frontend (metrics, the per-request route); the
+        # model sets ``stats.num_layers``
+        self.stats = PrecisionTelemetry(None, {"policy": policy.name, "routing": self.routing})
         self._lock = threading.Lock()
 
     # -- 1. batch mirror -----------------------------------------------------------------------
@@ -133,7 +148,14 @@ class PrecisionController:
         elif overrides.gear is not None:
             pinned = LEVEL_NAMES.index(overrides.gear)
         state = self.policy.start(self._prompt_text(prompt_ids) if pinned is None else None)
-        return Slot(tag=tag, state=state, prompt_len=len(prompt_ids or ()), pinned=pinned)
+        prefill = pinned if pinned is not None else self.policy.prefill_level(state)
+        return Slot(
+            tag=tag,
+            state=state,
+            prompt_len=len(prompt_ids or ()),
+            pinned=pinned,
+            prefill_code=prefill,
+        )
 
     def _finish(self, slot: Slot) -> None:
         rec = slot.record(self.policy, self.layer_maps)
@@ -142,6 +164,7 @@ class PrecisionController:
         if self.telemetry_path:
             with open(self.telemetry_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+        self.stats.request_finished(rec)
 
     def update_batch(self, batch_update) -> None:
         with self._lock:
@@ -149,6 +172,7 @@ class PrecisionController:
 
     # -- 2. the step plan ----------------------------------------------------------------------
     def begin_step(self, positions: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         num_tokens = positions.shape[0]
         qsl = _query_start_loc()
         num_reqs = len(qsl) - 1 if qsl is not None else 0
@@ -160,7 +184,10 @@ class PrecisionController:
             # A dummy / profiling run, or a batch we cannot map: everything at the high gear.
             self.plan = StepPlan(0, np.full(1, HIGH), None, None, None, pending_logits=False)
             return
-        codes = np.array([self.slots[i].code for i in range(num_reqs)], dtype=np.int64)
+        last = positions[torch.from_numpy(qsl[1:] - 1).to(positions.device)].cpu().numpy()
+        codes = np.array(
+            [self.slots[i].code_at(int(last[i])) for i in range(num_reqs)], dtype=np.int64
+        )
         token_codes = None
         if self.routing == "token" and len(set(codes.tolist())) > 1:
             counts = np.diff(qsl)
@@ -168,10 +195,10 @@ class PrecisionController:
             if token_codes.shape[0] < num_tokens:  # padding rows: run them at the high gear
                 pad = torch.full((num_tokens - token_codes.shape[0],), HIGH, dtype=torch.int64)
                 token_codes = torch.cat([token_codes, pad])
-        last = positions[torch.from_numpy(qsl[1:] - 1).to(positions.device)].cpu().numpy()
         self.plan = StepPlan(num_reqs, codes, token_codes, last, qsl)
         if self.config.offload_inactive:
             self.offload_inactive(set(codes.tolist()) | self._prewarm_codes())
+        self.stats.step_started(time.perf_counter() - t0)
 
     def _prewarm_codes(self) -> set[int]:
         """Levels the policies expect next (GEARBX section 3.5): kept resident."""
@@ -190,14 +217,24 @@ class PrecisionController:
                     g.tiers.release(precision)
 
     def groups(self, level_precisions: tuple[str, ...], num_tokens: int):
-        """``[(precision, token index or None)]`` for a layer whose codes map to precisions."""
+        """``[(precision, row index or None)]`` for a layer whose codes map to precisions.
+
+        Rows are the step's tokens (decoder linears) or its sampled rows, one per request (the
+        LM head): both are grouped by their request's gear under token routing."""
         plan = self.plan
         if plan is None:
             return [(level_precisions[HIGH], None)]
-        got = plan.groups.get(level_precisions)
-        if got is not None and plan.num_tokens == num_tokens:
+        key = (level_precisions, num_tokens)
+        got = plan.groups.get(key)
+        if got is not None:
             return got
-        if plan.token_codes is None or plan.token_codes.shape[0] != num_tokens:
+        row_codes = None
+        if plan.token_codes is not None:
+            if plan.token_codes.shape[0] == num_tokens:
+                row_codes = plan.token_codes
+            elif num_tokens == plan.num_reqs:
+                row_codes = torch.from_numpy(plan.codes)
+        if row_codes is None:
             # step routing (or a layout we cannot map): the most demanding request decides
             got = [(level_precisions[int(plan.codes.max())], None)]
         else:
@@ -207,15 +244,13 @@ class PrecisionController:
             if len(by_precision) == 1:
                 got = [(next(iter(by_precision)), None)]
             else:
-                tc = plan.token_codes
                 got = []
                 for precision, codes in by_precision.items():
-                    mask = torch.zeros_like(tc, dtype=torch.bool)
+                    mask = torch.zeros_like(row_codes, dtype=torch.bool)
                     for c in codes:
-                        mask |= tc == c
+                        mask |= row_codes == c
                     got.append((precision, mask.nonzero().squeeze(1)))
-        plan.groups[level_precisions] = got
-        plan.num_tokens = num_tokens
+        plan.groups[key] = got
         return got
 
     # -- 3. entropy ----------------------------------------------------------------------------
@@ -224,7 +259,9 @@ class PrecisionController:
         if plan is None or not plan.pending_logits or logits.shape[0] != plan.num_reqs:
             return  # prompt-logprob rows, dummy runs, or speculative layouts: not a sampled step
         plan.pending_logits = False
+        t0 = time.perf_counter()
         ent = entropy_bits(logits).tolist()
+        rows = []
         with self._lock:
             for i, e in enumerate(ent):
                 slot = self.slots.get(i)
@@ -233,6 +270,9 @@ class PrecisionController:
                 slot.entropies.append(e)
                 slot.codes.append(int(plan.codes[i]))
                 self.policy.observe(slot.state, e)
+                c, decode = slot.codes, bool(plan.last_positions[i] >= slot.prompt_len)
+                rows.append((CODE_NAMES[c[-1]], decode, decode and len(c) > 2 and c[-1] != c[-2]))
+        self.stats.observed(rows, time.perf_counter() - t0)
 
     def calibration_rows(self) -> tuple[int, int] | None:
         """Token range of a prefill chunk in this step with >= 5 tokens, if the policy wants one."""
@@ -254,17 +294,19 @@ class PrecisionController:
         return resident_bytes(getattr(self, "geared", []))
 
     def level_byte_ratios(self) -> dict[str, float]:
-        """Weight bytes a step at each gear level reads, relative to full precision."""
+        """Weight bytes a step at each gear level reads, relative to the float weights."""
         from vllm_adaptive.flops import BYTES_PER_PARAM
 
         geared = getattr(self, "geared", [])
-        total = sum(g.tiers.shape[0] * g.tiers.shape[1] for g in geared) or 1
+        total = sum(g.full_bytes for g in geared) or 1
+
+        def nbytes(g, precision: str) -> float:
+            if precision == "full":
+                return g.full_bytes
+            return g.tiers.shape[0] * g.tiers.shape[1] * BYTES_PER_PARAM[precision]
+
         return {
-            name: sum(
-                g.tiers.shape[0] * g.tiers.shape[1] * BYTES_PER_PARAM[g.level_precisions[code]]
-                for g in geared
-            )
-            / (total * BYTES_PER_PARAM["full"])
+            name: sum(nbytes(g, g.level_precisions[code]) for g in geared) / total
             for code, name in enumerate(CODE_NAMES)
         }
 

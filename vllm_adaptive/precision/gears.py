@@ -3,21 +3,34 @@
 A policy outputs a *level*: 0 (low: cheapest), 1 (mid) or 2 (high: most precise), as GEARBX's
 low / mid / high gears. Which precision a level means is configuration: GEARBX uses
 (int4, int8, full), QuickSilver (int2, int4, int8); a layer group may map the levels its own way.
+
+Precisions:
+
+- ``full``: the layer's own float weight (vLLM's linear, exactly);
+- ``fp16``: the weight rounded to float16, float32 activations (FBGEMM's fp16 GEMM);
+- ``int8``: int8 weights, float activations (weight-only; the packed kernel needs bf16 input);
+- ``w8a8``: int8 weights and int8 activations with one scale per token, optionally smoothed
+  (SmoothQuant); the fast int8 path for float32 activations;
+- ``int4`` / ``int2``: packed 4- and 2-bit weights, float activations (weight-only).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-Precision = Literal["full", "int8", "int4", "int2"]
-PRECISIONS: tuple[str, ...] = ("int2", "int4", "int8", "full")  # cheapest first
-BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2}
+Precision = Literal["full", "fp16", "int8", "w8a8", "int4", "int2"]
+PRECISIONS: tuple[str, ...] = ("int2", "int4", "w8a8", "int8", "fp16", "full")  # cheapest first
+BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2}  # packed integer weights
+FLOAT_ACTIVATION_PRECISIONS = ("fp16", "w8a8")  # kernels in kernels/float_linear.py
 
 LEVELS = 3
 LOW, MID, HIGH = 0, 1, 2
 LEVEL_NAMES = ("low", "mid", "high")
 
-GEARBX_GEARS: tuple[str, str, str] = ("int4", "int8", "full")
+GEARBX_GEARS: tuple[str, str, str] = ("int4", "int8", "full")  # bf16 / fp16 activations
+#: float32 activations: weight-only int4 / int8 kernels need bf16 activations to be fast on CPU,
+#: W8A8 and fp16 weights have fast float32 kernels (kernels/float_linear.py)
+GEARBX_GEARS_F32: tuple[str, str, str] = ("w8a8", "fp16", "full")
 QUICKSILVER_GEARS: tuple[str, str, str] = ("int2", "int4", "int8")
 
 

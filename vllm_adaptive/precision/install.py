@@ -26,19 +26,46 @@ _MODULE_PATHS = {
 
 
 def managed_linears(model, modules) -> list[tuple[int, str, torch.nn.Module]]:
-    """``(layer index, name, linear)`` for every managed linear of this pipeline stage."""
+    """``(layer index, name, linear)`` for every managed decoder linear of this pipeline stage
+    (the LM head is handled apart: it has its own gear map)."""
     inner = model.model
     out = []
     for i in range(inner.start_layer, inner.end_layer):
         layer = inner.layers[i]
         for m in modules:
+            if m not in _MODULE_PATHS:
+                continue
             parent, child = _MODULE_PATHS[m]
             out.append((i, f"layers.{i}.{parent}.{child}", getattr(getattr(layer, parent), child)))
     return out
 
 
-def install_precision(model, cfg, tokenizer_path: str | None) -> PrecisionController:
-    """Quantize every managed linear into its tiers and route it through the geared method."""
+def _smoothing_stats(cfg, model_dir: str | None) -> dict[str, torch.Tensor] | None:
+    if cfg.smoothing is None:
+        return None
+    from vllm_adaptive.config import AdaptiveConfigError
+    from vllm_adaptive.depth.profile import ProfileError
+    from vllm_adaptive.precision.smoothing import load_smoothing
+
+    try:
+        return load_smoothing(cfg.smoothing.profile, model_dir)
+    except ProfileError as e:
+        raise AdaptiveConfigError(f"adaptive.precision.smoothing.profile: {e}") from None
+
+
+def install_precision(
+    model, cfg, tokenizer_path: str | None, model_dir: str | None = None, max_tokens: int = 64
+) -> PrecisionController:
+    """Quantize every managed linear (and the LM head) into its tiers and route it through the
+    geared method; measure the float-activation kernels on this machine (``max_tokens``: the
+    largest token count worth measuring)."""
+    from vllm_adaptive.config import AdaptiveConfigError
+
+    dtype_name = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    try:
+        cfg = cfg.for_dtype(dtype_name)
+    except ValueError as e:
+        raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
     num_layers = model.config.num_hidden_layers
     for g in cfg.layer_groups:
         if g.layers[1] > num_layers:
@@ -64,29 +91,46 @@ def install_precision(model, cfg, tokenizer_path: str | None) -> PrecisionContro
             linears[0][1],
             100 * coarse,
         )
+    stats = _smoothing_stats(cfg, model_dir)
+    alpha = cfg.smoothing.alpha if cfg.smoothing is not None else 0.5
+    head_map = cfg.head_map
+    if head_map is not None and getattr(model, "lm_head", None) is not None:
+        linears.append((num_layers, "lm_head", model.lm_head))
     geared = []
     for i, name, linear in linears:
-        level_map = (*cfg.layer_map(i, num_layers), "full")
+        gears = head_map if name == "lm_head" else cfg.layer_map(i, num_layers)
+        level_map = (*gears, "full")
         if level_map not in maps:
             maps.append(level_map)
+        smooth = None
+        if stats is not None and "w8a8" in level_map:
+            from vllm_adaptive.precision.smoothing import factors_for
+
+            smooth = factors_for(stats, name, linear.weight, alpha)
         tiers = LinearTiers.build(
-            linear.weight, set(level_map), layout, cfg.group_size, cfg.symmetric
+            linear.weight, set(level_map), layout, cfg.group_size, cfg.symmetric, smooth
         )
         tiers.prepare(linear.weight.dtype)
         g = GearedLinear(linear, name, level_map, tiers, linear.quant_method, controller)
         linear.quant_method = GearedLinearMethod(g)
+        g.autotune(max_tokens)
         geared.append(g)
+    from vllm_adaptive.kernels import autotune
+
+    autotune.table().save()
     controller.geared = geared
     register(controller)
     logger.info(
-        "vllm-adaptive: %d linears geared (%s tiers, %s routing, policy %s) in %.1f s; "
-        "resident packed bytes per precision: %s",
+        "vllm-adaptive: %d linears geared (%s tiers, %s routing, policy %s%s) in %.1f s; "
+        "resident packed bytes per precision: %s; kernels: %s",
         len(geared),
         layout,
         controller.routing,
         policy.name,
+        ", smoothed W8A8" if stats is not None else "",
         time.perf_counter() - t0,
         controller.resident_bytes(),
+        autotune.table().summary(),
     )
     return controller
 

@@ -5,8 +5,11 @@ op, ``torch.ops.vllm_adaptive.geared_linear(x, index, out_features)``, so that a
 graph (vLLM's torch.compile) keeps the call opaque and the gear is read at run time from the
 step plan, not frozen into the graph. Inside the op the tokens of the step are grouped by the
 precision their gear level maps to in this layer's group, each group is multiplied by its packed
-tier through :func:`vllm_adaptive.kernels.matmul.matmul` (``full``: the layer's own method), and
-the results are scattered back in token order.
+tier through :func:`vllm_adaptive.kernels.matmul.matmul` (``full``: the layer's own method;
+``fp16`` / ``w8a8``: the float-activation kernels of :mod:`vllm_adaptive.kernels.float_linear`,
+the kernel chosen per token count by the machine's measured dispatch table), and the results are
+scattered back in token order. The LM head is geared the same way (its tiers are copies: the
+embedding it may be tied to keeps its float weight).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 
-from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
+from vllm_adaptive.kernels.weights import autotune_weight, linear
 from vllm_adaptive.precision.tiers import LinearTiers
 
 _LINEARS: list[GearedLinear] = []
@@ -45,6 +48,13 @@ class GearedLinear:
         self.index = len(_LINEARS)
         _LINEARS.append(self)
 
+    def autotune(self, max_tokens: int) -> None:
+        """Measure this layer's float-activation tiers' kernels (once per precision and shape
+        on this machine; the table is cached on disk)."""
+        for tier in self.tiers.tiers.values():
+            if tier is not None:
+                autotune_weight(tier, max_tokens)
+
     def run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
         bias = self.layer.bias
         if precision == "full":
@@ -53,10 +63,7 @@ class GearedLinear:
         if packed is None or precision in self.tiers.released:
             self.tiers.restore(precision, x.device, x.dtype)
             packed = self.tiers.tiers[precision]
-        if x.shape[0] == 0:
-            return x.new_empty(0, self.tiers.shape[0])
-        path = choose_path_cached(packed, x.shape[0], x.dtype)
-        y = bound_kernel(packed, path, x.dtype)(x if x.is_contiguous() else x.contiguous())
+        y = linear(packed, x)
         return y + bias if bias is not None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ Two ways to hold the precisions a linear may run at:
 
 - ``independent``: each precision quantized straight from the float weight: int8 per-row
   symmetric (the layout the int8 kernel reads), int4 / int2 with the configured group size and
-  symmetry. Best quality per tier; memory is the sum of the tiers.
+  symmetry, fp16 and W8A8 (:mod:`vllm_adaptive.kernels.float_linear`, W8A8 optionally smoothed).
+  Best quality per tier; memory is the sum of the tiers.
 - ``matryoshka``: one symmetric int8 tensor (grouped as configured); int4 and int2 are its most
   significant bits (:mod:`vllm_adaptive.kernels.matryoshka`). All tiers cost the int8 storage;
   kernels that need their own layout (CPU int4pack) prepare it when the tier is activated.
@@ -22,10 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight
 from vllm_adaptive.kernels.matmul import dispatch_paths, prepare
 from vllm_adaptive.kernels.matryoshka import MatryoshkaWeight, matryoshka_quantize
 from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
 from vllm_adaptive.precision.gears import BITS
+
+FLOAT_TIERS = (Fp16Weight, W8A8Weight)
 
 
 def _storages(obj, seen: dict[int, int]) -> None:
@@ -66,7 +70,7 @@ class LinearTiers:
     """The packed precisions of one linear weight ``[N, K]``."""
 
     shape: tuple[int, int]
-    tiers: dict[str, PackedWeight | None]  # None: a released Matryoshka tier
+    tiers: dict[str, PackedWeight | Fp16Weight | W8A8Weight | None]  # None: released Matryoshka
     matryoshka: MatryoshkaWeight | None = None
     released: set[str] = field(default_factory=set)
 
@@ -78,10 +82,17 @@ class LinearTiers:
         layout: str,
         group_size: int | None,
         symmetric: bool,
+        smooth: torch.Tensor | None = None,
     ) -> LinearTiers:
+        """``smooth``: SmoothQuant factors for the W8A8 tier (``precision/smoothing.py``)."""
         w = weight.detach().to(torch.float32)
-        tiers: dict[str, PackedWeight] = {}
+        tiers: dict[str, PackedWeight | Fp16Weight | W8A8Weight] = {}
         m = None
+        if "fp16" in precisions:
+            tiers["fp16"] = Fp16Weight.from_float(w)
+        if "w8a8" in precisions:
+            tiers["w8a8"] = W8A8Weight.from_float(w, smooth)
+        precisions = precisions - {"fp16", "w8a8"}
         with warnings.catch_warnings():
             # The caller reports double quantization once per model, not once per weight.
             warnings.simplefilter("ignore", DoubleQuantizationWarning)
@@ -101,15 +112,18 @@ class LinearTiers:
         return cls(shape=tuple(w.shape), tiers=tiers, matryoshka=m)
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """Build kernel layouts of every non-released tier for activations of ``dtype``."""
+        """Build kernel layouts of every non-released packed tier for activations of ``dtype``
+        (float-activation tiers prepare the kernels the autotuned dispatch picks, on use)."""
         for name, p in self.tiers.items():
-            if name not in self.released and p is not None:
+            if name not in self.released and isinstance(p, PackedWeight):
                 for path in dispatch_paths(p, dtype):
                     prepare(p, dtype, path)
 
     def release(self, precision: str) -> None:
         p = self.tiers[precision]
-        if p.device.type != "cpu":
+        if isinstance(p, FLOAT_TIERS):
+            p.release()  # kernel layouts go; the fp16 / int8 tensors stay
+        elif p.device.type != "cpu":
             self.tiers[precision] = p.to("cpu")
         elif self.matryoshka is not None and BITS[precision] != 8:
             self.matryoshka.tiers.pop(BITS[precision], None)  # rebuilt from the int8 bits
@@ -120,6 +134,9 @@ class LinearTiers:
 
     def restore(self, precision: str, device: torch.device, dtype: torch.dtype) -> None:
         p = self.tiers[precision]
+        if isinstance(p, FLOAT_TIERS):
+            self.released.discard(precision)  # kernels are re-bound on their next call
+            return
         if p is None:
             p = self.tiers[precision] = self.matryoshka.tier(BITS[precision])
         if p.device != device:
@@ -135,6 +152,20 @@ class LinearTiers:
         prepared scales are its own.
         """
         p = self.tiers[precision]
+        if isinstance(p, FLOAT_TIERS):
+            return (
+                p.nbytes
+                + sum(
+                    t.numel() * t.element_size()
+                    for t in p.prepared.values()
+                    if isinstance(t, torch.Tensor)
+                )
+                + (
+                    p.nbytes
+                    if any(not isinstance(t, torch.Tensor) for t in p.prepared.values())
+                    else 0
+                )
+            )  # FBGEMM / oneDNN packed copies: about the format's own size
         if p is None or (precision in self.released and p.device.type != "cpu"):
             return 0
         if self.matryoshka is not None and p is self.matryoshka.base:

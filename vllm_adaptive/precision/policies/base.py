@@ -4,6 +4,8 @@ A policy decides *when* a request changes gear; it never sees tensors of the mod
 controller calls, for each request:
 
 - ``start(prompt_text)`` once, when the request joins the batch (cold start);
+- ``prefill_level(state)``: the level its prompt is prefilled at, which also makes its first
+  token;
 - ``observe(state, entropy_bits)`` after every sampled token of that request, with the entropy of
   the distribution the token was sampled from; the returned level is used for the request's next
   forward pass (GEARBX's "output entropy of step t picks the gear of step t+1").
@@ -44,6 +46,12 @@ class GearPolicy(ABC):
     @abstractmethod
     def observe(self, state: RequestGearState, entropy_bits: float) -> int:
         """Record one token's entropy; return the level for the request's next step."""
+
+    def prefill_level(self, state: RequestGearState) -> int:
+        """Level of the steps that prefill a request's prompt (they also make its first token).
+
+        Default: the request's starting level."""
+        return state.level
 
     @property
     def wants_calibration(self) -> bool:

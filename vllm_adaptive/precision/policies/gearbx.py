@@ -13,6 +13,12 @@ Two choices the paper leaves open, made here:
 - ``min_gear_duration`` has no number in the paper (runs of "8-30 tokens" are typical); the
   default is 4.
 - The catastrophic fallback ignores the minimum duration: it is a safety exit.
+- The prompt is prefilled at the high gear (``prefill``), not at the cold-start gear: the
+  prefill makes the first token, and a short plain prompt's low cold-start gear (int4) there
+  changed the answer's first token against full precision (measured: "The capital of France
+  is" -> " located" instead of " Paris"). The cold-start gear applies from the first decode
+  step. Prefill is a multi-token matmul, where the paper itself prefers dense kernels (7.2)
+  and where packed CPU kernels are slower than dense ones; gears save decode bandwidth.
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ class GearbxSettings(StrictModel):
     cap_low: float | None = Field(0.06, gt=0)
     cap_high: float | None = Field(0.12, gt=0)
     cold_start: bool = True
+    prefill: Literal["high", "cold_start"] = "high"
+    """Level of the prompt's prefill, which also makes the first token. "high": the high gear
+    (full precision with the default gears), so the first token is the model's own; the
+    cold-start gear applies from the first decode step. "cold_start": the classifier's gear, as
+    the paper's generation loop (listing 2) shifts before prefilling."""
 
 
 @dataclass
@@ -101,6 +112,9 @@ class GearbxMonitor(GearPolicy):
     def start(self, prompt_text: str | None) -> GearbxState:
         level = cold_start_level(prompt_text) if (self.settings.cold_start and prompt_text) else MID
         return GearbxState(level=level, window=[])
+
+    def prefill_level(self, state: RequestGearState) -> int:
+        return HIGH if self.settings.prefill == "high" else state.level
 
     def classify(self, mean: float, current: int) -> int:
         """Section 3.3: thresholds, with a hysteresis margin for leaving an extreme gear."""

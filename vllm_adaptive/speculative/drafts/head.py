@@ -10,34 +10,31 @@ from typing import Any
 
 import torch
 
-from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
-from vllm_adaptive.kernels.packed import PackedWeight, quantize
+from vllm_adaptive.kernels.packed import PackedWeight
+from vllm_adaptive.kernels.weights import Weight, autotune_weight, linear, quantize_weight
 
 
 class DraftHead:
     def __init__(self, model: Any, precision: str, group_size: int = 32, symmetric: bool = False):
         self.precision = precision
         self.vocab = int(model.config.vocab_size)
-        self.packed: PackedWeight | None = None
+        self.packed: Weight | None = None
         if precision != "full":
             w = model.lm_head.weight.detach()[: self.vocab]
-            if precision == "int8":
-                self.packed = quantize(w, 8, None, symmetric=True, check_double_quant=False)
-            else:
-                self.packed = quantize(
-                    w, 4, group_size, symmetric=symmetric, check_double_quant=False
-                )
+            self.packed = quantize_weight(w, precision, group_size, symmetric)
+            autotune_weight(self.packed)
 
     def logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary for final-normed ``hidden``."""
         if self.packed is None:
             return model.compute_logits(hidden)[:, : self.vocab]
-        path = choose_path_cached(self.packed, hidden.shape[0], hidden.dtype)
-        return bound_kernel(self.packed, path, hidden.dtype)(hidden.contiguous())
+        return linear(self.packed, hidden)
 
     def resident_bytes(self) -> int:
         if self.packed is None:
             return 0
         from vllm_adaptive.precision.tiers import packed_resident_bytes
 
-        return packed_resident_bytes(self.packed)
+        if isinstance(self.packed, PackedWeight):
+            return packed_resident_bytes(self.packed)
+        return self.packed.resident_bytes()

@@ -24,19 +24,22 @@ logger = logging.getLogger("vllm.adaptive.speculative")
 
 class LowBitDraft:
     def __init__(self, model: Any, settings: SpeculativeConfig) -> None:
-        bits = 8 if settings.draft_precision == "int8" else 4
         layers = model.model.layers
         # ExitRiver holds packed copies of blocks entry..L-1 and runs a block with them while
         # sharing the backbone's norms, rotary and attention: entry 0 is the whole model.
-        self.copies = ExitRiver(layers, 0, settings.group_size, settings.symmetric, bits=bits)
+        precision = settings.draft_precision
+        self.copies = ExitRiver(
+            layers, 0, settings.group_size, settings.symmetric, precision=precision
+        )
         self.head = DraftHead(
             model, settings.head_precision, settings.group_size, settings.symmetric
         )
         self.name = f"lowbit-{self.copies.quantizer}"
-        if model.lm_head.weight.dtype == torch.float32:
+        if model.lm_head.weight.dtype == torch.float32 and precision in ("int8", "int4"):
             logger.warning(
-                "vllm-adaptive speculative: float32 model: packed kernels have no fast float32 "
-                "path on CPU, so the %s draft is slower than the model itself (use bfloat16)",
+                "vllm-adaptive speculative: float32 model: weight-only packed kernels have no fast "
+                "float32 path on CPU, so the %s draft is slower than the model itself (use "
+                "precision w8a8 or fp16, or bfloat16)",
                 self.copies.quantizer,
             )
         self._all: dict[int, torch.Tensor] = {}

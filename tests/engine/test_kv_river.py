@@ -1,0 +1,45 @@
+"""KV strategy ``river`` (River-LLM's Exit River) with River-LLM's cosine signal: an exited token
+keeps running through int4 copies of the remaining layers, which write its K/V into its own
+slots (prompts through the river too). Audit: no read of an unwritten (layer, slot).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support import kv_strategies as kv
+from tests.support.depth_probe import audit_report, install_kv_audit
+from tests.support.engines import shutdown
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path, depth_profile: Path):
+    depth = {
+        "profile": str(depth_profile),
+        "floor": {"tokens": 4},
+        "kv_strategy": "river",
+        "river": {"entry_layer": 8, "prefill": "river"},
+        "signal": {"policy": "river", "river": {"tau": 0.95}},
+    }
+    llm = kv.engine(model_dir, depth, install_kv_audit)
+    yield llm
+    shutdown(llm)
+
+
+def test_exits_off_is_stock(llm, stock_bf16: dict) -> None:
+    kv.check_exits_off_is_stock(llm, stock_bf16)
+
+
+def test_every_slot_has_kv_at_every_layer(llm) -> None:
+    moved = kv.workload(llm, 3, "river")
+    report = llm.apply_model(audit_report)[0]
+    eng = kv.engine_stats(llm)
+    assert report["reads"] > 1000
+    assert report["violations"] == 0, report["first_violations"]
+    assert eng["signal"] == ["river"] and eng["kv_strategy"] == "river"
+    assert eng["river_token_layers"] > 0 and eng["mean_decode_depth"] < 30
+    assert min(int(k) for k in eng["exit_tokens"]) >= 8  # no exit before the entry layer
+    assert eng["peels"] == 0  # the river keeps every row in the batch
+    assert moved["preemptions"] > 0 and moved["prefix_hits"] > 0

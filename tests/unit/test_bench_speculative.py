@@ -1,0 +1,87 @@
+"""The speculation bench's --spec parsing, labels and table (engines: docs/speculative.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_adaptive.bench.speculative import engine_settings, parse_spec, spec_label, table_markdown
+from vllm_adaptive.config import SELF_SPECULATIVE_PROPOSER, AdaptiveConfigError
+
+
+def test_specs_map_to_engine_settings() -> None:
+    ngram = parse_spec('{"method": "ngram", "k": 4}')
+    assert engine_settings(ngram) == (
+        {},
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5,
+        },
+    )
+    low = parse_spec('{"draft": {"draft": "lowbit", "symmetric": true}, "k": 2}')
+    additional, speculative = engine_settings(low)
+    assert additional == {"adaptive": {"speculative": {"draft": "lowbit", "symmetric": True}}}
+    assert speculative["model"] == SELF_SPECULATIVE_PROPOSER
+    assert speculative["num_speculative_tokens"] == 2
+    assert spec_label(low) == "lowbit int4 sym k=2"
+    assert spec_label(parse_spec('{"draft": {"draft": "early", "layers": 8}, "k": 4}')) == (
+        "early 8 layers k=4"
+    )
+    fp16 = parse_spec(
+        '{"draft": {"draft": "lowbit", "precision": "w8a8"}, "k": 3,'
+        ' "target": {"policy": "fixed", "gear": "fp16"}}'
+    )
+    additional, _ = engine_settings(fp16)
+    assert additional["adaptive"]["precision"] == {"policy": "fixed", "gear": "fp16"}
+    assert spec_label(fp16) == "lowbit w8a8 k=3, target fp16"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"method": "ngram"}', "integer k"),
+        ('{"method": "eagle", "k": 2}', "ngram"),
+        ('{"k": 2}', "either"),
+        ('{"k": 2, "draft": {"draft": "lowbit"}, "extra": 1}', "unknown keys"),
+        ("not json", "not JSON"),
+        ('{"method": "ngram", "k": 2, "target": {"policy": "fixed"}}', "needs a"),
+    ],
+)
+def test_bad_specs_are_refused(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_spec(text)
+
+
+def test_bad_draft_settings_are_refused_before_any_engine() -> None:
+    with pytest.raises(AdaptiveConfigError, match="adaptive.speculative.layers"):
+        parse_spec('{"draft": {"draft": "early", "layers": 0}, "k": 2}')
+
+
+def test_table_has_one_row_per_run() -> None:
+    results = {
+        "corpora": {
+            "code.txt": {
+                "stock_decode_tokens_per_s": {"1": 20.0, "8": 80.0},
+                "runs": [
+                    {
+                        "label": "a",
+                        "speedup": {"1": 1.5, "8": 0.9},
+                        "acceptance_rate": 0.8,
+                        "mean_accepted_length": 3.2,
+                        "identical_to_stock": 1.0,
+                    },
+                    {
+                        "label": "b",
+                        "speedup": {"1": 0.5, "8": 0.4},
+                        "acceptance_rate": None,
+                        "mean_accepted_length": None,
+                        "identical_to_stock": 1.0,
+                    },
+                ],
+            }
+        }
+    }
+    md = table_markdown(results)
+    assert "| a | 1.50 | 0.90 | 0.800 | 3.20 | 1.00 |" in md
+    assert "| b | 0.50 | 0.40 | - | - | 1.00 |" in md

@@ -1,0 +1,176 @@
+"""fp16 and W8A8 linears for float32 activations (kernels/float_linear.py) and the measured
+kernel dispatch (kernels/autotune.py), on this machine's kernels (AVX2 or AVX512: every kernel
+that exists here is checked against the plain-torch reference)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from vllm_adaptive.kernels import autotune
+from vllm_adaptive.kernels.float_linear import (
+    Fp16Weight,
+    W8A8Weight,
+    quantize_per_token,
+    smoothing_factors,
+    unrepresentable_in_fp16,
+)
+
+N, K = 192, 320
+
+
+def _w(seed: int = 0) -> torch.Tensor:
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+
+def _x(m: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_fp16_kernels_compute_the_fp16_weight_product(m: int) -> None:
+    w, x = _w(), _x(m)
+    f = Fp16Weight.from_float(w)
+    ref = x.double() @ w.half().double().t()
+    for name in {*f.kernels(), "reference"}:
+        y = f.bind(name)(x)
+        assert y.dtype == torch.float32 and y.shape == (m, N)
+        assert (y.double() - ref).abs().max() < 1e-5, name
+    # and not the float32 weight's product (the test would not see a kernel ignoring fp16)
+    assert (x.double() @ w.double().t() - ref).abs().max() > 1e-6
+
+
+def test_fp16_representability_is_counted() -> None:
+    w = torch.tensor([[1.0, 1.0 + 2**-12, 1e-9, 1e6]])
+    got = unrepresentable_in_fp16(w)
+    assert got == {"values": 4, "inexact": 3, "flushed_to_zero": 1, "overflow": 1}
+    # bf16 values (8 significant bits) fit fp16's 11, except below fp16's normal range (2^-14),
+    # where fp16 keeps fewer bits
+    bf16 = _w().bfloat16().float()
+    inexact = bf16.half().float() != bf16
+    assert 0 < unrepresentable_in_fp16(bf16)["inexact"] == int(inexact.sum()) < 1e-3 * bf16.numel()
+    assert bf16[inexact].abs().max() < 2**-14
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_w8a8_kernels_match_the_per_token_reference(m: int) -> None:
+    w, x = _w(), _x(m)
+    q = W8A8Weight.from_float(w)
+    ref = torch.nn.functional.linear(quantize_per_token(x), q.dequantize())
+    exact = x @ w.t()
+    for name in {*q.kernels(), "reference"}:
+        y = q.bind(name)(x)
+        assert y.shape == (m, N)
+        # oneDNN and the reference round activations the same way; FBGEMM asymmetrically
+        tol = 3e-2 if name == "fbgemm_rows" else 1e-4
+        assert ((y - ref).abs().max() / ref.abs().max()) < tol, name
+        assert ((y - exact).abs().max() / exact.abs().max()) < 0.05, name
+
+
+def test_w8a8_scales_are_per_token() -> None:
+    """A row with a huge activation does not coarsen the other rows (one scale per call would)."""
+    w, x = _w(), _x(4)
+    x[2] *= 1000.0
+    q = W8A8Weight.from_float(w)
+    for name in q.kernels():
+        fn = q.bind(name)
+        batched = fn(x)
+        for i in (0, 1, 3):
+            alone = fn(x[i : i + 1])
+            assert torch.allclose(batched[i], alone[0], rtol=1e-4, atol=1e-5), (name, i)
+
+
+def test_smoothing_keeps_the_product_and_tames_an_outlier_channel() -> None:
+    w, x = _w(), _x(16)
+    x[:, 7] *= 80.0  # an outlier input channel, as LLM activations have
+    exact = x @ w.t()
+    s = smoothing_factors(x.abs().amax(0), w, alpha=0.5)
+    smoothed = W8A8Weight.from_float(w, s)
+    plain = W8A8Weight.from_float(w)
+    # unquantized, the smoothed weight times the unsmoothed activation is the same product
+    assert torch.allclose((x / s) @ (w * s).t(), exact, rtol=1e-4, atol=1e-4)
+    for name in smoothed.kernels():
+        err_s = (smoothed.bind(name)(x) - exact).abs().mean()
+        err_p = (plain.bind(name)(x) - exact).abs().mean()
+        assert err_s < 0.5 * err_p, (name, float(err_s), float(err_p))
+    with pytest.raises(ValueError, match="K=320"):
+        W8A8Weight.from_float(w, torch.ones(5))
+
+
+def test_unknown_kernels_are_refused() -> None:
+    with pytest.raises(ValueError, match="no kernel 'nope'"):
+        Fp16Weight.from_float(_w()).bind("nope")
+    with pytest.raises(ValueError, match="no kernel 'nope'"):
+        W8A8Weight.from_float(_w()).bind("nope")
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+
+def _slow(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.002 * x.shape[0] ** 0.5)
+    return x
+
+
+def _fast_for_one(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.0005 if x.shape[0] == 1 else 0.02)
+    return x
+
+
+def test_autotune_picks_the_fastest_kernel_per_bucket_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "CELL_SECONDS", 0.01)
+    monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
+    table = autotune.DispatchTable(tmp_path / "t.json")
+    table.ensure("fmt:4x8", {"slow": _slow, "fast1": _fast_for_one}, 8, max_tokens=4)
+    assert table.choose("fmt:4x8", 1, "x") == "fast1"
+    assert table.choose("fmt:4x8", 4, "x") == "slow"
+    assert table.choose("fmt:4x8", 3, "x") == table.choose("fmt:4x8", 2, "x")  # bucket <= m
+    assert table.choose("fmt:4x8", 500, "x") == "slow"  # past the last bucket: the last one
+    assert table.choose("other:1x1", 1, "default") == "default"
+    table.save()
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["machine"] == autotune.cpu_info()
+    assert data["entries"]["fmt:4x8"]["buckets"]["1"]["us"]["slow"] > 0
+    again = autotune.DispatchTable(tmp_path / "t.json")
+    again.entries = data["entries"]
+    calls = []
+    again.ensure("fmt:4x8", {"slow": calls.append, "fast1": calls.append}, 8)
+    assert calls == []  # known key, same kernels: nothing is measured again
+
+
+def test_autotune_off_takes_the_first_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTIVE_AUTOTUNE", "off")
+    table = autotune.DispatchTable(tmp_path / "t.json")
+    table.ensure("fmt:4x8", {"slow": _slow, "fast1": _fast_for_one}, 8)
+    assert table.choose("fmt:4x8", 1, "x") == "slow"
+
+
+def test_cpu_info_names_the_isa() -> None:
+    info = autotune.cpu_info()
+    assert info["cpu"] and info["torch"] == torch.__version__
+    assert isinstance(info["isa"], list)
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert "avx2" in info["isa"]
+
+
+def test_bound_kernels_outlive_their_weight_object() -> None:
+    """A bound W8A8 kernel keeps its native oneDNN handler alive (a freed handler segfaults,
+    so this runs in a child process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, torch\n"
+        "from vllm_adaptive.kernels.float_linear import W8A8Weight\n"
+        "q = W8A8Weight.from_float(torch.randn(64, 128) * 0.02)\n"
+        "fns = [q.bind(k) for k in q.kernels()]\n"
+        "del q; gc.collect()\n"
+        "x = torch.randn(3, 128)\n"
+        "print([tuple(fn(x).shape) for fn in fns])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(3, 64)" in proc.stdout

@@ -1,0 +1,121 @@
+"""adaptive.speculative: what parses, what is refused (and that the message names the key)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_adaptive.config import (
+    SELF_SPECULATIVE_PROPOSER,
+    AdaptiveConfigError,
+    parse_adaptive_config,
+)
+
+
+def test_defaults_per_draft() -> None:
+    low = parse_adaptive_config({"speculative": {"draft": "lowbit"}}).speculative
+    assert (low.draft_precision, low.head_precision, low.symmetric) == ("int4", "int4", False)
+    early = parse_adaptive_config({"speculative": {"draft": "early", "layers": 8}}).speculative
+    assert (early.layers, early.head_precision) == (8, "full")
+    m = parse_adaptive_config({"speculative": {"draft": "m2r2", "adapter": "/x"}}).speculative
+    assert m.adapter == "/x"
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"draft": "lowbit", "layers": 4}, "layers"),
+        ({"draft": "early", "precision": "int8"}, "precision"),
+        ({"draft": "m2r2"}, "adapter"),
+        ({"draft": "early", "adapter": "/x"}, "adapter"),
+        ({"draft": "medusa"}, "adaptive.speculative.draft"),
+        ({"draft": "early", "layers": 0}, "adaptive.speculative.layers"),
+        ({"draft": "lowbit", "precision": "int2"}, "adaptive.speculative.precision"),
+        ({"draft": "lowbit", "window": 3}, "adaptive.speculative.window: unknown key"),
+    ],
+)
+def test_bad_settings_name_their_key(spec: dict, fragment: str) -> None:
+    with pytest.raises(AdaptiveConfigError, match=fragment):
+        parse_adaptive_config({"speculative": spec})
+
+
+def test_not_combined_with_depth_or_gear_routing() -> None:
+    with pytest.raises(AdaptiveConfigError, match="speculative"):
+        parse_adaptive_config(
+            {"speculative": {"draft": "lowbit"}, "precision": {"policy": "gearbx"}}
+        )
+    with pytest.raises(AdaptiveConfigError, match="speculative"):
+        parse_adaptive_config({"speculative": {"draft": "lowbit"}, "depth": {"profile": "p"}})
+    # a target at one fixed precision verifies the drafts (e.g. an fp16 target, a W8A8 draft)
+    cfg = parse_adaptive_config(
+        {
+            "speculative": {"draft": "lowbit", "precision": "w8a8"},
+            "precision": {"policy": "fixed", "gear": "fp16"},
+        }
+    )
+    assert cfg.active_precision.gear == "fp16" and cfg.active_speculative.draft_precision == "w8a8"
+
+
+def test_mode_off_disables_the_draft() -> None:
+    cfg = parse_adaptive_config({"mode": "off", "speculative": {"draft": "lowbit"}})
+    assert cfg.speculative is not None and cfg.active_speculative is None
+
+
+def _vllm_config(spec):
+    return SimpleNamespace(
+        speculative_config=spec,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        compilation_config=SimpleNamespace(cudagraph_mode=None),
+        device_config=SimpleNamespace(device=SimpleNamespace(type="cpu")),
+    )
+
+
+def test_engine_start_needs_the_plugin_proposer() -> None:
+    from vllm_adaptive.models.llama import check_engine_compatible
+
+    adaptive = parse_adaptive_config({"speculative": {"draft": "lowbit"}})
+    with pytest.raises(AdaptiveConfigError, match=SELF_SPECULATIVE_PROPOSER):
+        check_engine_compatible(_vllm_config(None), adaptive)
+    with pytest.raises(AdaptiveConfigError, match="custom_class"):
+        check_engine_compatible(_vllm_config(SimpleNamespace(method="ngram")), adaptive)
+    check_engine_compatible(_vllm_config(SimpleNamespace(method="custom_class")), adaptive)
+
+
+def test_proposer_without_settings_is_refused() -> None:
+    from vllm_adaptive.speculative.proposer import SelfSpeculativeProposer
+
+    cfg = SimpleNamespace(additional_config={"adaptive": {}}, speculative_config=None)
+    with pytest.raises(AdaptiveConfigError, match="adaptive.speculative"):
+        SelfSpeculativeProposer(cfg)
+
+
+def test_requests_sent_with_mode_off_do_not_draft() -> None:
+    """The proposer reads each row's request from the runner that loaded it."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_adaptive.speculative.requests import DraftingRequests, find_model_runner
+
+    def state(**extra) -> SimpleNamespace:
+        return SimpleNamespace(sampling_params=SamplingParams(extra_args=extra or None))
+
+    class Runner:
+        def __init__(self) -> None:
+            self.input_batch = SimpleNamespace(req_ids=["a", "b"])
+            self.requests = {"a": state(adaptive_mode="off"), "b": state(adaptive_request_tag="t")}
+
+        def load_model(self, proposer_load):
+            return proposer_load()
+
+    runner = Runner()
+    found = runner.load_model(lambda: find_model_runner(depth=1))
+    assert found is runner
+    reqs = DraftingRequests(found)
+    assert reqs.drafting(2) == [False, True]
+    runner.input_batch.req_ids = ["b", "a"]  # rows moved
+    assert reqs.drafting(2) == [True, False]
+    assert reqs.drafting(3) == [True, True, True]  # not the batch's step (a dummy run): all draft
+    with pytest.raises(RuntimeError, match="model runner"):
+        DraftingRequests(object())

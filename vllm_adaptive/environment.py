@@ -1,0 +1,42 @@
+"""The plugin's environment variables, read in one place.
+
+Their names carry no ``VLLM_`` prefix: vLLM warns "Unknown vLLM environment variable detected"
+at every start for each ``VLLM_*`` variable it does not know, so a plugin variable with that
+prefix would put noise in every server log. The old ``VLLM_ADAPTIVE_*`` names still work, with a
+deprecation warning (and vLLM's own warning, which only renaming removes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger("vllm.adaptive.environment")
+
+#: Where prepared models, kernel dispatch tables and test artifacts live.
+CACHE = "ADAPTIVE_CACHE"
+#: ``on`` (default), ``off`` (no kernel measuring: each format's first kernel) or ``refresh``.
+AUTOTUNE = "ADAPTIVE_AUTOTUNE"
+_warned: set[str] = set()
+
+
+def setting(name: str, default: str | None = None) -> str | None:
+    """The variable ``name``, else its deprecated ``VLLM_``-prefixed name, else ``default``."""
+    value = os.environ.get(name)
+    if value is not None:
+        return value
+    old = "VLLM_" + name
+    value = os.environ.get(old)
+    if value is None:
+        return default
+    if old not in _warned:
+        _warned.add(old)
+        logger.warning("vllm-adaptive: %s is deprecated: name it %s", old, name)
+    return value
+
+
+def cache_root() -> Path:
+    """$ADAPTIVE_CACHE, or ~/.cache/vllm-adaptive."""
+    value = setting(CACHE)
+    return Path(value) if value else Path.home() / ".cache" / "vllm-adaptive"

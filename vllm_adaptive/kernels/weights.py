@@ -1,0 +1,111 @@
+"""One entry point for every reduced-precision weight: build it from a float weight by precision
+name, and multiply by it on the fastest kernel this machine has for it.
+
+Mechanisms that run layers at another precision (geared linears, the Exit River, the low-bit
+self-draft and its head) all go through here, so they share formats, kernels and the measured
+dispatch:
+
+- ``fp16`` / ``w8a8``: :mod:`vllm_adaptive.kernels.float_linear`, the kernel per token count
+  from :mod:`vllm_adaptive.kernels.autotune` (measured once per machine);
+- ``int8`` / ``int4`` / ``int2``: :class:`~vllm_adaptive.kernels.packed.PackedWeight`, the path
+  from :mod:`vllm_adaptive.kernels.matmul`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from vllm_adaptive.kernels import autotune
+from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight
+from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
+from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
+
+Weight = PackedWeight | Fp16Weight | W8A8Weight
+FLOAT_FORMATS = (Fp16Weight, W8A8Weight)
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def quantize_weight(
+    w: torch.Tensor,
+    precision: str,
+    group_size: int | None = 32,
+    symmetric: bool = True,
+    smooth: torch.Tensor | None = None,
+) -> Weight:
+    """``w`` ``[N, K]`` at ``precision``; int8 is per-row symmetric (the packed kernel's layout),
+    int4 / int2 use ``group_size`` and ``symmetric``; ``smooth`` applies to w8a8 only."""
+    w32 = w.detach().to(torch.float32)
+    if precision == "fp16":
+        return Fp16Weight.from_float(w32)
+    if precision == "w8a8":
+        return W8A8Weight.from_float(w32, smooth)
+    if precision not in BITS:
+        raise ValueError(f"no reduced-precision format {precision!r}")
+    bits = BITS[precision]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DoubleQuantizationWarning)
+        if bits == 8:
+            return quantize(w32, 8, None, check_double_quant=False)
+        return quantize(w32, bits, group_size, symmetric=symmetric, check_double_quant=False)
+
+
+def dispatch_key(precision: str, weight: Weight) -> str:
+    n, k = weight.shape
+    return f"{precision}:{n}x{k}"
+
+
+def precision_of(weight: Weight) -> str:
+    if isinstance(weight, Fp16Weight):
+        return "fp16"
+    if isinstance(weight, W8A8Weight):
+        return "w8a8"
+    return f"int{weight.bits}"
+
+
+def autotune_weight(weight: Weight, max_tokens: int = autotune.BUCKETS[-1]) -> None:
+    """Measure a float-activation weight's kernels on this machine (once per format and shape;
+    packed weights follow the rules of :mod:`vllm_adaptive.kernels.matmul`)."""
+    if isinstance(weight, FLOAT_FORMATS):
+        key = dispatch_key(precision_of(weight), weight)
+        table = autotune.table()
+        if not table.knows(key, weight.kernels()):
+            kernels = {name: weight.bind(name) for name in weight.kernels()}
+            table.ensure(key, kernels, weight.shape[1], max_tokens=max_tokens)
+        weight.keep_only(table.chosen(key))
+
+
+def kernel_name(weight: Weight, tokens: int, dtype: torch.dtype) -> str:
+    """The kernel (or packed path) :func:`linear` runs for ``tokens`` rows."""
+    if isinstance(weight, FLOAT_FORMATS):
+        key = dispatch_key(precision_of(weight), weight)
+        return autotune.table().choose(key, tokens, weight.kernels()[0])
+    return choose_path_cached(weight, tokens, dtype)
+
+
+def linear(weight: Weight, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for 2-D ``x``, in x's dtype (float-activation formats compute in float32)."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    xc = x if x.is_contiguous() else x.contiguous()
+    if isinstance(weight, FLOAT_FORMATS):
+        m = x.shape[0]
+        fn = weight.prepared.get(("tokens", m))  # hot path: one dict lookup per call
+        if fn is None:
+            name = kernel_name(weight, m, x.dtype)
+            fn = weight.prepared.get(("bound", name))
+            if fn is None:
+                fn = weight.prepared[("bound", name)] = weight.bind(name)
+            weight.prepared[("tokens", m)] = fn
+        y = fn(xc if xc.dtype == torch.float32 else xc.float())
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    path = choose_path_cached(weight, x.shape[0], x.dtype)
+    return bound_kernel(weight, path, x.dtype)(xc)
+
+
+def weight_nbytes(weight: Weight) -> int:
+    """Bytes of the format's own tensors (packed kernel layouts not counted)."""
+    if isinstance(weight, FLOAT_FORMATS):
+        return weight.nbytes
+    return weight.nbytes

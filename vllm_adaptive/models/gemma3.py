@@ -1,0 +1,175 @@
+"""Adaptive Gemma 3: vLLM's Gemma 3 text model with the mechanisms that hold on its layout.
+
+Gemma 3 differs from Llama in ways the mechanisms can see: the embedding is scaled by
+sqrt(hidden); every norm is ``(1 + w) * RMSNorm(x)``; each block has four norms (input,
+post-attention, pre- and post-feed-forward) and queries and keys have their own norms; five
+sliding-window layers (window 512) alternate with one global layer, so vLLM keeps two KV cache
+groups with their own block tables; the LM head is tied to a 262,144-token embedding.
+
+What runs here, through vLLM's own Gemma 3 modules (inherited, not copied):
+
+- every mechanism off (``{"adaptive": {}}``): vLLM's forward, token-identical to stock;
+- precision gears: they swap the quant method of vLLM's linear layers, whose names
+  (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) Gemma 3 shares with Llama;
+- the "early" self-draft, with vLLM's hybrid KV cache manager off (one KV cache group) and
+  only sliding-window layers in the draft: the draft step gives every layer the attention
+  metadata and settings of layer 0.
+
+Everything else is refused when the engine starts (:func:`check_gemma3_supported`), with the
+key and the reason: the depth runtime and the low-bit and M2R2 drafts re-implement Llama's
+block, its plain final RMSNorm and a single KV cache group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+from vllm.sequence import IntermediateTensors
+
+from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.models.llama import check_engine_compatible
+from vllm_adaptive.precision.controller import PrecisionController
+from vllm_adaptive.precision.install import calibrate_from_prefill, install_precision
+
+_DEPTH_REASON = (
+    "adaptive.depth: the depth runtime supports Llama's layer layout only; Gemma 3 "
+    "interleaves sliding-window and global attention layers, which vLLM keeps in separate KV "
+    "cache groups with their own block tables (depth-peeling slices one), its final norm is "
+    "(1 + w) * RMSNorm (the calibrated readouts assume a plain RMSNorm weight), and the "
+    "{strategy!r} KV strategy"
+)
+_STRATEGY_REASON = {
+    "monotone": " needs only peeling, which the two points above already rule out",
+    "mask": " masks slots in the plugin's attention backend, which has no sliding window",
+    "propagate": " recomputes K/V from exit states through Llama's attention (Gemma 3 also "
+    "normalises queries and keys)",
+    "recompute": " resumes exited tokens through Llama's block (Gemma 3 has four norms per block)",
+    "river": " runs packed copies of Llama's block (Gemma 3 has four norms per block and "
+    "query/key norms)",
+}
+
+
+def first_global_layer(layer_types: Sequence[str]) -> int:
+    """Index of the first layer whose attention type differs from layer 0's."""
+    for i, kind in enumerate(layer_types):
+        if kind != layer_types[0]:
+            return i
+    return len(layer_types)
+
+
+def check_gemma3_supported(
+    adaptive: AdaptiveConfig, layer_types: Sequence[str], hybrid_kv_cache: bool
+) -> None:
+    """Refuse, naming the key and why, every mechanism that does not hold on Gemma 3.
+
+    ``hybrid_kv_cache``: vLLM's hybrid KV cache manager is on (its default on CPU), so the
+    layers are split into KV cache groups of their own attention type.
+    """
+    depth = adaptive.active_depth
+    if depth is not None:
+        raise AdaptiveConfigError(
+            _DEPTH_REASON.format(strategy=depth.kv_strategy) + _STRATEGY_REASON[depth.kv_strategy]
+        )
+    spec = adaptive.active_speculative
+    if spec is None:
+        return
+    if spec.draft == "lowbit":
+        raise AdaptiveConfigError(
+            'adaptive.speculative.draft: "lowbit" runs packed copies of Llama\'s decoder block; '
+            "Gemma 3's block has four norms and query/key norms, so its draft would be another "
+            'model (use "early")'
+        )
+    if spec.draft == "m2r2":
+        raise AdaptiveConfigError(
+            'adaptive.speculative.draft: "m2r2" adapters are trained and run on Llama\'s block '
+            '(the accelerated stream re-implements it); on Gemma 3 use "early"'
+        )
+    if hybrid_kv_cache:
+        raise AdaptiveConfigError(
+            "adaptive.speculative: the draft step gives every layer the attention metadata of "
+            "layer 0's KV cache group, and vLLM's hybrid KV cache splits Gemma 3's layers into "
+            "groups of one attention type (on Gemma 3 270M layer 0 shares its group only with "
+            "layers 6 and 12), so draft layers would read and write other layers' cache; start "
+            "the engine with disable_hybrid_kv_cache_manager=True "
+            "(--disable-hybrid-kv-cache-manager): one group, one block table"
+        )
+    limit = first_global_layer(layer_types)
+    layers = spec.layers or 4
+    if layers > limit:
+        raise AdaptiveConfigError(
+            f"adaptive.speculative.layers: {layers} draft layers reach layer {limit}, Gemma 3's "
+            f"first {layer_types[limit]} layer; the draft step gives every layer the attention "
+            f"settings of layer 0 ({layer_types[0]}), so an early draft on Gemma 3 may use at "
+            f"most {limit} layers"
+        )
+
+
+class AdaptiveGemma3ForCausalLM(Gemma3ForCausalLM):
+    """Registered as "AdaptiveGemma3ForCausalLM"; chosen by the dispatcher when
+    `additional_config` has an "adaptive" section."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
+        check_engine_compatible(vllm_config, adaptive)
+        check_gemma3_supported(
+            adaptive,
+            vllm_config.model_config.hf_config.layer_types,
+            hybrid_kv_cache=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        )
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.adaptive_config = adaptive
+        self.precision: PrecisionController | None = None
+        self._tokenizer_path = vllm_config.model_config.tokenizer
+        self._model_dir = vllm_config.model_config.model
+        self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
+        self.depth = None  # refused above; read by the introspection and the proposer
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        if self.adaptive_config.active_speculative is not None:
+            from vllm_adaptive.speculative.drafts import build_draft
+
+            try:
+                self.speculative_draft = build_draft(
+                    self.adaptive_config.active_speculative, self, self._model_dir
+                )
+            except ValueError as e:
+                raise AdaptiveConfigError(str(e)) from None
+        if self.adaptive_config.active_precision is not None:
+            self.precision = install_precision(
+                self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
+            )
+        return loaded
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.precision is not None:
+            self.precision.begin_step(positions)
+        hidden = self.model(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if self.precision is not None and isinstance(hidden, torch.Tensor):
+            rows = self.precision.calibration_rows()
+            if rows is not None:
+                calibrate_from_prefill(self, hidden, rows)
+        return hidden
+
+    def kernel_dispatch(self) -> dict:
+        """The reduced-precision kernels this worker measured and runs (the bench records it
+        next to its timings)."""
+        from vllm_adaptive.introspection import kernel_dispatch
+
+        return kernel_dispatch(self)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        if self.precision is not None and logits is not None:
+            self.precision.observe_logits(logits)
+        return logits
