@@ -84,3 +84,55 @@ def check_overrides(overrides: RequestOverrides) -> None:
                 f"adaptive_{name}",
                 value,
             )
+
+
+def _no_section(adaptive: Any, section: str, what: str) -> str:
+    if adaptive is None:
+        return (
+            f"this engine runs without an adaptive config, so it has no {what} (start it with "
+            f'--additional-config \'{{"adaptive": {{"{section}": ...}}}}\')'
+        )
+    if adaptive.mode == "off":
+        return f'this engine\'s adaptive.mode is "off", so it has no {what}'
+    running = ", ".join(s for s in ("precision", "depth", "speculative") if getattr(adaptive, s))
+    return (
+        f"this engine has no adaptive.{section} section, so no {what} "
+        f"(it runs: {running or 'no adaptive mechanism'})"
+    )
+
+
+def unsupported_reason(overrides: RequestOverrides, adaptive: Any) -> tuple[str, str] | None:
+    """``(key, why)`` of the first override an engine with this adaptive config (an
+    ``AdaptiveConfig``, or None for none) cannot honour; None when it honours them all."""
+    if overrides.gear is not None:
+        precision = adaptive.active_precision if adaptive is not None else None
+        if precision is None:
+            return "adaptive_gear", _no_section(adaptive, "precision", "precision gears")
+        if precision.policy == "fixed":
+            return "adaptive_gear", (
+                f'this engine\'s precision policy is "fixed": every gear level runs '
+                f'{precision.gear} (adaptive_mode "off" runs full precision)'
+            )
+    if overrides.depth_budget is not None:
+        depth = adaptive.active_depth if adaptive is not None else None
+        if depth is None:
+            return "adaptive_depth_budget", _no_section(adaptive, "depth", "adaptive depth")
+        signals = tuple(depth.signal.policy)
+        if overrides.depth_budget < 1.0 and "emad" not in signals:
+            return "adaptive_depth_budget", (
+                "a budget sets EMAD's exit thresholds and this engine's exit signal is "
+                f"{'+'.join(signals)}; only 1.0 (no exits) applies"
+            )
+    return None
+
+
+def check_honoured(
+    overrides: RequestOverrides, adaptive: Any, sent: Mapping[str, Any] | None
+) -> None:
+    """Refuse what an engine with this adaptive config cannot honour, naming why and what was
+    ``sent`` (the raw keys); the vLLM path and the MLX server both call it."""
+    reason = unsupported_reason(overrides, adaptive)
+    if reason is not None:
+        key, why = reason
+        value = (sent or {}).get(key)
+        raise RequestOverrideError(f"{key}={shown(value)} cannot be honoured: {why}", key, value)

@@ -7,8 +7,8 @@ engine config as ``--additional-config '{"adaptive": {...}}'``. Per-request adap
 those of the vLLM path, in ``vllm_xargs`` as a vLLM client sends them (or at the top level of
 the body, as an mlx-lm client would add them); a bad key is HTTP 400 in vLLM's error shape
 with ``param`` naming it, for streaming requests too (validation runs before any byte is
-sent). As on vLLM, a knob for a mechanism the engine was not started with is ignored with a
-warning.
+sent). As on vLLM, a knob this engine cannot honour (a gear without precision gears, a depth
+budget without adaptive depth) is HTTP 400 naming why.
 
 Built on the standard library's ``http.server`` (as ``mlx_lm.server`` is), so a Mac needs
 nothing beyond mlx and mlx-lm. Requests run one at a time (MLX holds one model; a second
@@ -33,6 +33,7 @@ from vllm_adaptive.overrides import (
     EXTRA_ARGS_PREFIX,
     RequestOverrideError,
     RequestOverrides,
+    check_honoured,
     check_overrides,
     parse_overrides,
 )
@@ -61,6 +62,9 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(value)
 
 
+_UNKNOWN: Any = object()
+
+
 def _int(body: dict[str, Any], key: str, default: int | None, lo: int) -> int | None:
     value = body.get(key, default)
     if value is None:
@@ -72,9 +76,10 @@ def _int(body: dict[str, Any], key: str, default: int | None, lo: int) -> int | 
     return value
 
 
-def adaptive_overrides(body: dict[str, Any]) -> RequestOverrides:
+def adaptive_overrides(body: dict[str, Any], engine_config: Any = _UNKNOWN) -> RequestOverrides:
     """The request's ``adaptive_*`` keys (``vllm_xargs`` and top level), validated as in the
-    vLLM path: `BadRequest` naming the key."""
+    vLLM path: `BadRequest` naming the key; with ``engine_config`` (the engine's
+    ``AdaptiveConfig``) also what that engine cannot honour, naming why."""
     xargs = body.get("vllm_xargs") or {}
     if not isinstance(xargs, dict):
         raise BadRequest("vllm_xargs must be an object", "vllm_xargs")
@@ -83,8 +88,11 @@ def adaptive_overrides(body: dict[str, Any]) -> RequestOverrides:
     if both:
         raise BadRequest(f"{both[0]} given both in vllm_xargs and at the top level", both[0])
     try:
-        overrides = parse_overrides({**xargs, **top})
+        sent = {**xargs, **top}
+        overrides = parse_overrides(sent)
         check_overrides(overrides)
+        if engine_config is not _UNKNOWN:
+            check_honoured(overrides, engine_config, sent)
     except RequestOverrideError as e:
         raise BadRequest(str(e), e.parameter) from None
     return overrides
@@ -183,22 +191,6 @@ class MlxServer:
         self.engine = engine
         self.served_name = served_name
         self.lock = threading.Lock()
-        self.warned: set[str] = set()
-
-    def _warn_unused(self, overrides: RequestOverrides) -> None:
-        e = self.engine
-        for key, value, section, present in (
-            ("adaptive_gear", overrides.gear, "precision", e.gears is not None),
-            ("adaptive_depth_budget", overrides.depth_budget, "depth", e.depth is not None),
-        ):
-            if value is not None and not present and key not in self.warned:
-                self.warned.add(key)
-                logger.warning(
-                    "vllm-adaptive mlx: %s=%r ignored: this engine has no adaptive.%s section",
-                    key,
-                    value,
-                    section,
-                )
 
     def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
         tok = self.engine.tokenizer
@@ -228,8 +220,7 @@ class MlxServer:
         if model is not None and model != self.served_name:
             raise BadRequest(f"model {model!r} is not served here ({self.served_name!r})", "model")
         fields = sampling_fields(body)
-        overrides = adaptive_overrides(body)
-        self._warn_unused(overrides)
+        overrides = adaptive_overrides(body, self.engine.config)
         return {"ids": self.prompt_ids(body, chat), "overrides": overrides, **fields}
 
     def run(self, req: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
