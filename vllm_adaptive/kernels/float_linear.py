@@ -48,8 +48,26 @@ def onednn_int8_available() -> bool:
     return hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "onednn_scaled_mm")
 
 
+class KernelLayouts:
+    """What both float32-activation formats share: ``prepared``, the kernel layouts (and bound
+    calls) built so far, keyed by kernel name or a ``("tokens", m)`` / ``(..., kernel)`` tuple."""
+
+    prepared: dict[str, Any]
+
+    def release(self) -> None:
+        self.prepared.clear()
+
+    def keep_only(self, kernels: set[str]) -> None:
+        """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
+        for key in list(self.prepared):
+            if isinstance(key, tuple) and key[0] == "tokens":
+                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
+            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
+                del self.prepared[key]
+
+
 @dataclass
-class Fp16Weight:
+class Fp16Weight(KernelLayouts):
     """A linear weight ``[N, K]`` stored in float16; activations stay float32."""
 
     weight: torch.Tensor  # float16 [N, K]
@@ -91,17 +109,6 @@ class Fp16Weight:
             return lambda x: F.linear(x, w)
         raise ValueError(f"fp16 weights have no kernel {kernel!r}; kernels: {FP16_KERNELS}")
 
-    def release(self) -> None:
-        self.prepared.clear()
-
-    def keep_only(self, kernels: set[str]) -> None:
-        """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
-        for key in list(self.prepared):
-            if isinstance(key, tuple) and key[0] == "tokens":
-                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
-            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
-                del self.prepared[key]
-
     def resident_bytes(self) -> int:
         """The fp16 tensor plus the kernel layouts built so far."""
         extra = {"fbgemm_fp16": 2, "reference": 4}
@@ -135,7 +142,7 @@ def smoothing_factors(
 
 
 @dataclass
-class W8A8Weight:
+class W8A8Weight(KernelLayouts):
     """int8 weights ``[N, K]`` with per-row scales, for int8 activations with per-token scales."""
 
     codes: torch.Tensor  # int8 [N, K]
@@ -242,17 +249,6 @@ class W8A8Weight:
 
             return run
         raise ValueError(f"W8A8 weights have no kernel {kernel!r}; kernels: {W8A8_KERNELS}")
-
-    def release(self) -> None:
-        self.prepared.clear()
-
-    def keep_only(self, kernels: set[str]) -> None:
-        """Drop the layouts (and bound calls) of every kernel not in ``kernels``."""
-        for key in list(self.prepared):
-            if isinstance(key, tuple) and key[0] == "tokens":
-                del self.prepared[key]  # per-token-count shortcuts are rebuilt on use
-            elif (key[1] if isinstance(key, tuple) else key) not in kernels:
-                del self.prepared[key]
 
     def resident_bytes(self) -> int:
         """Codes and scales plus the kernel layouts built so far."""
