@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_adaptive.kernels.packed import PackedWeight
+from vllm_adaptive.kernels.weight_op import weight_linear_op
 from vllm_adaptive.kernels.weights import Weight, autotune_weight, linear, quantize_weight
 from vllm_adaptive.precision.tiers import packed_resident_bytes
 
@@ -135,21 +137,24 @@ class ExitRiver:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's ``LlamaDecoderLayer.forward`` with the linears split by row; ``backbone``
         None: every row is a river row."""
-        if residual is None:
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-        else:
-            hidden, residual = layer.input_layernorm(hidden, residual)
-        attn = layer.self_attn
-        qkv = self._mixed(layer, "qkv_proj", hidden, river, backbone)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(positions, q, k)
-        hidden = self._mixed(layer, "o_proj", attn.attn(q, k, v), river, backbone)
-        hidden, residual = layer.post_attention_layernorm(hidden, residual)
-        mlp = layer.mlp
-        gate_up = self._mixed(layer, "gate_up_proj", hidden, river, backbone)
-        hidden = self._mixed(layer, "down_proj", mlp.act_fn(gate_up), river, backbone)
-        return hidden, residual
+        linears = {
+            name: (lambda x, n=name: self._mixed(layer, n, x, river, backbone))
+            for _, name in LINEARS
+        }
+        return block_forward(layer, linears, positions, hidden, residual)
+
+    def river_ops(self, layers: Any) -> list[dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
+        """Per river layer, each linear as a call of one opaque op on its reduced copy (bias
+        added): what a compiled all-river pass (the low-bit self-draft) runs."""
+        ops = []
+        for i, river in sorted(self.layers.items()):
+            per_layer = {}
+            for name, weight in river.packed.items():
+                op = weight_linear_op(weight)
+                bias = _linear(layers[i], name).bias
+                per_layer[name] = op if bias is None else (lambda x, f=op, b=bias: f(x) + b)
+            ops.append(per_layer)
+        return ops
 
     # -- backbone offloading ------------------------------------------------------------------
     def map_backbone(self, layers: Any, directory: str | None = None) -> None:
@@ -194,6 +199,31 @@ class ExitRiver:
                 max(self.layers) + 1,
                 self.offload_file,
             )
+
+
+def block_forward(
+    layer: Any,
+    linears: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    positions: torch.Tensor,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``LlamaDecoderLayer.forward`` with its four linears replaced by ``linears``
+    (name -> ``x -> y``); norms, rotary and attention are the layer's own."""
+    if residual is None:
+        residual = hidden
+        hidden = layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    attn = layer.self_attn
+    qkv = linears["qkv_proj"](hidden)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = attn.rotary_emb(positions, q, k)
+    hidden = linears["o_proj"](attn.attn(q, k, v))
+    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+    gate_up = linears["gate_up_proj"](hidden)
+    hidden = linears["down_proj"](layer.mlp.act_fn(gate_up))
+    return hidden, residual
 
 
 def layer_index(layer: Any) -> int:

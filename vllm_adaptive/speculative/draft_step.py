@@ -17,11 +17,17 @@ request alone: vLLM shares only full blocks of computed tokens.
 
 CPU attention (CPU_ATTN) only, like depth-peeling: its metadata for a batch of one-token queries
 is rebuilt with :func:`vllm_adaptive.depth.peeling.one_token_cpu_metadata`.
+
+The draft pass is compiled when the engine compiles its model (vLLM's default; not under
+``--enforce-eager``): run eagerly, its per-layer Python (module calls, norms, rotary, the
+attention layer's dispatch) cost more than its kernels (docs/float32-kernels.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +36,43 @@ import numpy as np
 import torch
 
 from vllm_adaptive.depth.peeling import CpuSchedulerArgs, one_token_cpu_metadata
+
+logger = logging.getLogger("vllm.adaptive.speculative")
+
+DraftPass = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def engine_compiles(vllm_config: Any) -> bool:
+    """Whether the engine compiles its model (vLLM's compilation mode is not NONE)."""
+    mode = getattr(vllm_config.compilation_config, "mode", None)
+    return mode is not None and int(mode) != 0
+
+
+def compiled_draft_pass(forward: DraftPass, compile_it: bool) -> DraftPass:
+    """``forward(positions, token_ids)`` compiled by inductor, dynamic in the number of rows
+    (dynamo specializes one row, so batch 1 and larger batches compile once each, on first
+    use; inductor's on-disk cache serves later engines). Reduced-precision linears are calls of
+    :mod:`vllm_adaptive.kernels.weight_op`, attention vLLM's own opaque op."""
+    if not compile_it:
+        return forward
+    compiled = torch.compile(forward, backend="inductor", dynamic=True, fullgraph=True)
+    seen: set[bool] = set()
+
+    def run(positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        single = token_ids.shape[0] == 1
+        if single in seen:
+            return compiled(positions, token_ids)
+        t0 = time.perf_counter()
+        out = compiled(positions, token_ids)
+        seen.add(single)
+        logger.info(
+            "vllm-adaptive speculative: draft pass compiled for %s in %.1f s",
+            "one row" if single else "several rows",
+            time.perf_counter() - t0,
+        )
+        return out
+
+    return run
 
 
 @dataclass

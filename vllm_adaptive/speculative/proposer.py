@@ -29,7 +29,12 @@ from vllm_adaptive.config import (
     SpeculativeConfig,
     adaptive_config_from_vllm,
 )
-from vllm_adaptive.speculative.draft_step import SharedKVDraftStep
+from vllm_adaptive.speculative.draft_step import (
+    DraftPass,
+    SharedKVDraftStep,
+    compiled_draft_pass,
+    engine_compiles,
+)
 from vllm_adaptive.speculative.requests import DraftingRequests, find_model_runner
 
 logger = logging.getLogger("vllm.adaptive.speculative")
@@ -53,6 +58,7 @@ class SelfSpeculativeProposer:
         self.settings: SpeculativeConfig | None = adaptive.active_speculative
         self.model: Any = None
         self.draft: Any = None
+        self.draft_pass: DraftPass | None = None
         self.step: SharedKVDraftStep | None = None
         self.requests: DraftingRequests | None = None
         self.stats = {"steps": 0, "rows": 0, "draft_tokens": 0, "positions": 0, "seconds": 0.0}
@@ -78,6 +84,7 @@ class SelfSpeculativeProposer:
             )
         self.model = model
         self.draft = draft
+        self.draft_pass = compiled_draft_pass(draft.forward, engine_compiles(self.vllm_config))
         self.step = SharedKVDraftStep(model, self.vllm_config)
         self.step.check_backend()
         model.register_forward_pre_hook(lambda _module, _args: self.step.capture())
@@ -86,10 +93,11 @@ class SelfSpeculativeProposer:
         self.requests = DraftingRequests(find_model_runner())
         info = describe(self.draft)
         logger.info(
-            "vllm-adaptive speculative: draft %s, k=%d, %.1f MB of draft weights",
+            "vllm-adaptive speculative: draft %s, k=%d, %.1f MB of draft weights, %s pass",
             info["name"],
             self.k,
             info["resident_bytes"] / 1e6,
+            "compiled" if engine_compiles(self.vllm_config) else "eager",
         )
 
     @torch.inference_mode()
@@ -104,7 +112,7 @@ class SelfSpeculativeProposer:
         """Up to ``k`` greedy draft tokens for each request that sampled this step (requests
         sent with ``adaptive_mode: "off"`` excepted)."""
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self.draft is None or self.step is None or self.requests is None:
+        if self.draft_pass is None or self.step is None or self.requests is None:
             return drafts
         on = self.requests.drafting(len(sampled_token_ids))
         sampled = [s if d else [] for s, d in zip(sampled_token_ids, on, strict=True)]
@@ -120,7 +128,8 @@ class SelfSpeculativeProposer:
             live = np.nonzero(batch.budget > j)[0]
             with self.step.one_token(batch.rows[live], batch.start[live] + j) as positions:
                 ids = torch.from_numpy(feed[live]).to(dev)
-                logits = self.draft.logits(self.model, positions, ids)
+                hidden = self.draft_pass(positions, ids)
+                logits = self.draft.head.logits(self.model, hidden)
             nxt = logits.argmax(dim=-1).cpu().numpy()
             out[live, j] = nxt
             feed[live] = nxt

@@ -1,8 +1,10 @@
 """Draft sources: what computes a draft token's logits from the target model's own parts.
 
-Each source is one class with ``logits(model, positions, token_ids) -> [rows, vocab]``, run
-inside a one-token forward context (:mod:`vllm_adaptive.speculative.draft_step`). A new draft
-idea is one new module here.
+Each source is one class with ``forward(positions, token_ids) -> [rows, hidden]`` (the final-
+normed hidden state of one draft position, a pure tensor function over parts gathered at
+construction, so the proposer can compile it) and a ``head`` (:class:`DraftHead`), run inside a
+one-token forward context (:mod:`vllm_adaptive.speculative.draft_step`). A new draft idea is one
+new module here.
 """
 
 from __future__ import annotations

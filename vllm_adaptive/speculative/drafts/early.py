@@ -22,15 +22,18 @@ class EarlyLayersDraft:
         self.depth = depth
         self.head = DraftHead(model, head_precision)
         self.name = f"early{depth}"
+        self.embed = model.model.embed_input_ids
+        self.layers = list(model.model.layers[:depth])
+        self.norm = model.model.norm
 
-    def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        inner = model.model
-        hidden = inner.embed_input_ids(token_ids)
+    def forward(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states of one draft position (rows = requests)."""
+        hidden = self.embed(token_ids)
         residual = None
-        for layer in inner.layers[: self.depth]:
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = inner.norm(hidden, residual)
-        return self.head.logits(model, hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
     def resident_bytes(self) -> int:
         return self.head.resident_bytes()

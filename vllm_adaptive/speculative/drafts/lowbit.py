@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vllm_adaptive.config import SpeculativeConfig
-from vllm_adaptive.depth.exit_river import ExitRiver
+from vllm_adaptive.depth.exit_river import ExitRiver, block_forward
 from vllm_adaptive.speculative.drafts.head import DraftHead
 
 logger = logging.getLogger("vllm.adaptive.speculative")
@@ -42,25 +42,18 @@ class LowBitDraft:
                 "precision w8a8 or fp16, or bfloat16)",
                 self.copies.quantizer,
             )
-        self._all: dict[int, torch.Tensor] = {}
+        self.embed = model.model.embed_input_ids
+        self.blocks = list(zip(model.model.layers, self.copies.river_ops(layers), strict=True))
+        self.norm = model.model.norm
 
-    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
-        rows = self._all.get(n)
-        if rows is None or rows.device != device:
-            rows = self._all[n] = torch.arange(n, device=device)
-        return rows
-
-    def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        inner = model.model
-        hidden = inner.embed_input_ids(token_ids)
-        rows = self._rows(hidden.shape[0], hidden.device)
+    def forward(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states of one draft position (rows = requests)."""
+        hidden = self.embed(token_ids)
         residual = None
-        for layer in inner.layers:
-            hidden, residual = self.copies.forward_layer(
-                layer, positions, hidden, residual, rows, None
-            )
-        hidden, _ = inner.norm(hidden, residual)
-        return self.head.logits(model, hidden)
+        for layer, linears in self.blocks:
+            hidden, residual = block_forward(layer, linears, positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
     def resident_bytes(self) -> int:
         return self.copies.resident_bytes() + self.head.resident_bytes()

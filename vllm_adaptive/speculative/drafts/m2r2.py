@@ -40,13 +40,16 @@ class M2R2Draft:
         self.head = DraftHead(model, settings.head_precision)
         self.name = f"m2r2-k{cfg.k}-r{cfg.rank}"
         self.meta = meta
+        self.embed = model.model.embed_input_ids
+        self.layers = list(model.model.layers[: self.depth])
+        self.norm = model.model.norm
 
-    def logits(self, model: Any, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        inner = model.model
-        p = inner.embed_input_ids(token_ids)
-        for i, layer in enumerate(inner.layers[: self.depth]):
+    def forward(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed accelerated stream of one draft position (rows = requests)."""
+        p = self.embed(token_ids)
+        for i, layer in enumerate(self.layers):
             p = accelerated_block(layer, self.adapters, i, positions, p)
-        return self.head.logits(model, inner.norm(p))
+        return self.norm(p)
 
     def resident_bytes(self) -> int:
         params = sum(t.numel() * t.element_size() for t in self.adapters.parameters())
