@@ -35,6 +35,13 @@ def test_specs_map_to_engine_settings() -> None:
     additional, _ = engine_settings(fp16)
     assert additional["adaptive"]["precision"] == {"policy": "fixed", "gear": "fp16"}
     assert spec_label(fp16) == "lowbit w8a8 k=3, target fp16"
+    ngram_fp16 = parse_spec(
+        '{"method": "ngram", "k": 4, "target": {"policy": "fixed", "gear": "fp16"}}'
+    )
+    additional, speculative = engine_settings(ngram_fp16)
+    assert additional == {"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}
+    assert speculative["method"] == "ngram"
+    assert spec_label(ngram_fp16) == "ngram k=4, target fp16"
 
 
 @pytest.mark.parametrize(
@@ -45,7 +52,6 @@ def test_specs_map_to_engine_settings() -> None:
         ('{"k": 2}', "either"),
         ('{"k": 2, "draft": {"draft": "lowbit"}, "extra": 1}', "unknown keys"),
         ("not json", "not JSON"),
-        ('{"method": "ngram", "k": 2, "target": {"policy": "fixed"}}', "needs a"),
     ],
 )
 def test_bad_specs_are_refused(text: str, match: str) -> None:
@@ -56,6 +62,8 @@ def test_bad_specs_are_refused(text: str, match: str) -> None:
 def test_bad_draft_settings_are_refused_before_any_engine() -> None:
     with pytest.raises(AdaptiveConfigError, match="adaptive.speculative.layers"):
         parse_spec('{"draft": {"draft": "early", "layers": 0}, "k": 2}')
+    with pytest.raises(AdaptiveConfigError, match="gear"):
+        parse_spec('{"method": "ngram", "k": 2, "target": {"policy": "fixed", "gear": "int3"}}')
 
 
 def test_table_has_one_row_per_run() -> None:

@@ -2,9 +2,9 @@
 
 Each ``--spec`` is one engine: ``{"method": "ngram", "k": 4}`` (vLLM's built-in prompt-lookup
 proposer) or ``{"draft": {...adaptive.speculative...}, "k": 4}`` (the plugin's self-speculative
-proposer), optionally with ``"target": {...adaptive.precision...}`` (a fixed-gear target, e.g.
-``{"policy": "fixed", "gear": "fp16"}``: the draft is verified by the fp16 model, which in float32
-gives stock's greedy output). For every corpus, stock vLLM and every spec engine run the same
+proposer), either optionally with ``"target": {...adaptive.precision...}`` (a fixed-gear target,
+e.g. ``{"policy": "fixed", "gear": "fp16"}``: the drafts are verified by the fp16 model, which in
+float32 gives stock's greedy output). For every corpus, stock vLLM and every spec engine run the same
 prompts from that corpus; reported per engine and batch size: decode tokens/s and its ratio to
 stock, acceptance rate and mean accepted length (vLLM's own counters), and whether greedy output
 was identical to stock's (speculation is lossless: in float32 it must be; in bfloat16
@@ -43,16 +43,14 @@ def parse_spec(text: str) -> dict[str, Any]:
         raise ValueError(f'--spec {text!r}: give either "method": "ngram" or "draft": {{...}}')
     if "method" in spec and spec["method"] != "ngram":
         raise ValueError(f"--spec {text!r}: the only built-in method benched is ngram")
-    if "target" in spec and "draft" not in spec:
-        raise ValueError(f'--spec {text!r}: "target" (a precision section) needs a "draft"')
-    if "draft" in spec:
+    if "draft" in spec or "target" in spec:
         parse_adaptive_config(_adaptive(spec))
     return spec
 
 
 def _adaptive(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``adaptive`` section of a self-speculative spec engine."""
-    out = {"speculative": spec["draft"]}
+    out = {"speculative": spec["draft"]} if "draft" in spec else {}
     if "target" in spec:
         out["precision"] = spec["target"]
     return out
@@ -61,10 +59,10 @@ def _adaptive(spec: dict[str, Any]) -> dict[str, Any]:
 def spec_label(spec: dict[str, Any]) -> str:
     if spec.get("label"):
         return spec["label"]
-    if "method" in spec:
-        return f"ngram k={spec['k']}"
-    d = spec["draft"]
     target = f", target {spec['target'].get('gear', 'geared')}" if "target" in spec else ""
+    if "method" in spec:
+        return f"ngram k={spec['k']}{target}"
+    d = spec["draft"]
     if d["draft"] == "lowbit":
         q = d.get("precision", "int4")
         if q == "int4":
@@ -79,7 +77,7 @@ def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     if "method" in spec:
         cfg = {"method": "ngram", "num_speculative_tokens": spec["k"]}
         cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
-        return {}, cfg
+        return ({"adaptive": _adaptive(spec)} if "target" in spec else {}), cfg
     return {"adaptive": _adaptive(spec)}, {
         "method": "custom_class",
         "model": SELF_SPECULATIVE_PROPOSER,
