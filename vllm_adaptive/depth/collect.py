@@ -96,11 +96,6 @@ def token_windows_with_next(
     return [ids[s : s + window] for s in starts], nexts
 
 
-def token_windows_from_texts(tok, texts: list[str], window: int, count: int) -> list[list[int]]:
-    """`count` windows of `window` tokens spread evenly over the concatenated texts."""
-    return token_windows_with_next(tok, texts, window, count)[0]
-
-
 def layer_transitions(hidden_states, num_layers: int, keep: int) -> tuple[torch.Tensor, ...]:
     """Drift ||h_l - h_{l-1}|| and cos(h_{l-1}, h_l) for l = 1..L-1 over the last `keep`
     positions of one sequence; [L-1, keep] float32 each. (HF's hidden_states[L] is after the

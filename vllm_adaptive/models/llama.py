@@ -1,10 +1,11 @@
 """Adaptive Llama: vLLM's Llama with the layer loop owned by the plugin.
 
-The decoder layers, attention, weights and loading are vLLM's own (inherited,
-not copied). What this class adds is the place where adaptive mechanisms
-decide which tokens run which layers: `AdaptiveLlamaModel.run_layers`. With
-every mechanism off it runs every layer for every token, and the output is
-token-for-token stock vLLM's (tests/test_identity.py).
+The decoder layers, attention, weights and loading are vLLM's own (inherited, not copied).
+`AdaptiveLlamaModel.forward` hands the decoder stack to the depth runtime (`depth/runtime.py`,
+which decides which tokens run which layers) when adaptive depth is on and the step is one it
+can plan; otherwise `run_layers` runs every layer for every token. `AdaptiveLlamaForCausalLM`
+adds the precision gears and the self-speculative draft at `load_weights`. With every mechanism
+off the output is token-for-token stock vLLM's (tests/engine/test_identity.py).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
 
 
 class AdaptiveLlamaModel(LlamaModel):
-    """LlamaModel whose forward delegates the layer schedule to `run_layers`."""
+    """LlamaModel whose decoder stack runs through the depth runtime when one is attached."""
 
     def forward(
         self,
@@ -115,7 +116,8 @@ class AdaptiveLlamaModel(LlamaModel):
         residual: torch.Tensor | None,
         **extra_layer_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The depth schedule: with every mechanism off, all layers for all tokens."""
+        """Every layer for every token: the path with depth off, and the fallback for steps the
+        depth runtime does not plan (dummy, profiling and padded steps, later pipeline stages)."""
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
         return hidden, residual
