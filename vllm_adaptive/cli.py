@@ -26,7 +26,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 def _cmd_corpora_prepare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vllm_adaptive.bench.corpus import default_code_corpus, default_prose_corpus
+    from vllm_adaptive.corpora import default_code_corpus, default_prose_corpus
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

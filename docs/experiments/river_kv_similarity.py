@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 from river_exit_path import DEFAULT_MODEL, LINEARS, SCHEMES, river_weights
 
-from vllm_adaptive.bench.corpus import read_corpus
-from vllm_adaptive.depth.collect import load_model, token_windows_with_next
+from vllm_adaptive.corpora import read_corpus, token_windows_with_next
+from vllm_adaptive.depth.collect import load_model
 
 EXITS = (1, 2, 4, 8, 12, 16, 20, 24, 28)
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_adaptive.bench.corpus import read_corpus
 from vllm_adaptive.config import SELF_SPECULATIVE_PROPOSER, parse_adaptive_config
+from vllm_adaptive.corpora import read_corpus
 
 
 def _log(msg: str) -> None:

@@ -1,7 +1,7 @@
 """Adaptive depth: tokens leave the decoder stack early, with the KV cache kept consistent.
 
-Two halves share this package and meet only through the profile on disk (`profile.py`,
-`exit_profile.py`):
+Two halves share this package and meet only through the profile on disk
+(`vllm_adaptive/artifacts.py`, read by the runtime through `exit_profile.py`):
 
 - offline calibration, no vLLM: `collect.py` (teacher forcing in transformers), `norms.py`,
   `proxies.py`, `targets.py`, `budget.py` (the exit simulator), `calibrate*.py`, `readout.py`,

@@ -23,8 +23,8 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.runtime import DepthRuntime
+from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
 from vllm_adaptive.precision.controller import PrecisionController
-from vllm_adaptive.precision.install import calibrate_from_prefill, install_precision
 
 
 def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -> None:
@@ -136,9 +136,9 @@ def load_depth_runtime(
     unembed: torch.Tensor | None = None,
 ) -> DepthRuntime:
     """Load and check the profile, then build the runtime; errors name the config key."""
+    from vllm_adaptive.artifacts import ProfileError
     from vllm_adaptive.depth.exit_profile import ExitProfile
     from vllm_adaptive.depth.peeling import SUPPORTED_BACKENDS
-    from vllm_adaptive.depth.profile import ProfileError
 
     try:
         profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)

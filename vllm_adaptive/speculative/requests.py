@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from vllm_adaptive.request_overrides import parse_request_overrides
+from vllm_adaptive.overrides import parse_overrides
 
 logger = logging.getLogger("vllm.adaptive.speculative")
 
@@ -65,7 +65,7 @@ class DraftingRequests:
             state = self.runner.requests.get(req_id)
             params = getattr(state, "sampling_params", None)
             extra = getattr(params, "extra_args", None)
-            overrides = parse_request_overrides(extra)
+            overrides = parse_overrides(extra)
             on = overrides.mode != "off"
             for name in ("gear", "depth_budget"):
                 if getattr(overrides, name) is not None:
