@@ -195,9 +195,9 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
         if adaptive.active_depth is not None and adaptive.active_depth.kv_strategy == "mask":
-            from vllm_adaptive.attention.masked_backend import register_masked_backend
+            from vllm_adaptive import vllm_patches
 
-            register_masked_backend()  # before the attention layers pick their backend
+            vllm_patches.apply("masked-attention-backend")  # before the layers pick a backend
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.adaptive_config = adaptive
         self.precision: PrecisionController | None = None
