@@ -49,11 +49,14 @@ Applied where they must be, through :func:`apply`:
     persistent batch says which request is in which row (vLLM's ``custom_class`` interface
     passes rows only). This replaced a walk up the call stack.
 
-Hooks vLLM and torch offer, so not intrusions and not in the registry: the logits-processor
-entry point ``vllm.logits_processors`` (``request_overrides.AdaptiveRequestValidator``: the
-admission check, and ``update_state`` as the per-step batch hook of ``batch_mirror``), the
-``custom_class`` speculative proposer, and a torch forward pre-hook the proposer puts on the
-model it drafts for (``speculative/proposer.py``).
+Not in the registry, because vLLM or torch offers them as hooks: the entry points
+``vllm.logits_processors`` (``request_overrides.AdaptiveRequestValidator``: the admission check,
+and ``update_state`` as the per-step batch hook of ``batch_mirror``),
+``vllm.stat_logger_plugins`` (``metrics.py``) and ``vllm.endpoint_plugins`` (``routes.py``); the
+``custom_class`` speculative proposer; a torch forward pre-hook the proposer puts on the model it
+drafts for (``speculative/proposer.py``). Nor are changes to module instances of the model the
+plugin itself built (gears swap a linear's ``quant_method`` in ``models/precision.py``; the Exit
+River's backbone offloading replaces a linear's weight in ``depth/exit_river.py``).
 """
 
 from __future__ import annotations
@@ -138,9 +141,9 @@ def apply(name: str) -> bool:
     try:
         changed = entry.patch()
     except Exception:
-        _outcomes[name] = "failed"
         if entry.required:
-            raise
+            raise  # not recorded: the engine that needed it fails, a later one may try again
+        _outcomes[name] = "failed"
         logger.exception("vllm-adaptive: could not replace %s (%s)", entry.replaces, name)
         return False
     _outcomes[name] = "replaced" if changed else "unchanged"
@@ -357,9 +360,12 @@ def _patch_runner_load_model() -> bool:
     changed = False
     for module_name, cls_name in (
         ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-        ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+        ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),  # overrides load_model
     ):
-        cls = getattr(importlib.import_module(module_name), cls_name)
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except ImportError:  # a build without this runner cannot be running it
+            continue
         original = cls.__dict__.get("load_model")
         if original is None or _patched(original):
             continue

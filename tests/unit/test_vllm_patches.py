@@ -69,6 +69,8 @@ def test_register_applies_only_its_entries(fresh):
 def test_required_entry_failing_raises(fresh):
     with pytest.raises(RuntimeError, match="br broke"):
         apply("broken-required")
+    with pytest.raises(RuntimeError, match="br broke"):  # not remembered: tried again
+        apply("broken-required")
 
 
 def test_other_vllm_version(fresh, monkeypatch, caplog):
