@@ -21,7 +21,7 @@ done
 bash scripts/setup-venv.sh
 .venv/bin/vllm-adaptive models prepare smollm2-135m-instruct
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
-.venv/bin/ruff check vllm_adaptive tests tools
+.venv/bin/ruff check vllm_adaptive tests docs/experiments
 exec .venv/bin/python -m pytest tests -q -rs -p no:cacheprovider --timeout=1800 \
     -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 ${tier[@]+"${tier[@]}"} \
     ${args[@]+"${args[@]}"}

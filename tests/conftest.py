@@ -84,7 +84,7 @@ def gemma_dir() -> Path:
 
 
 def _model_key(model_dir: Path) -> dict:
-    from vllm_adaptive.depth.profile import model_fingerprint
+    from vllm_adaptive.artifacts import model_fingerprint
 
     return {"model": model_fingerprint(model_dir), **artifacts.machine_key()}
 
@@ -134,7 +134,7 @@ def depth_profile(model_dir: Path) -> Path:
     and calibration code."""
     import platform
 
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
     from vllm_adaptive.depth.calibrate import CalibrationOptions, calibrate
     from vllm_adaptive.depth.collect import CollectConfig
 
@@ -147,7 +147,7 @@ def depth_profile(model_dir: Path) -> Path:
         **_model_key(model_dir),
         "python": platform.python_version(),  # the code corpus is its standard library
         "options": repr(opts),
-        "code": artifacts.code_hash("vllm_adaptive/depth", "vllm_adaptive/bench/corpus.py"),
+        "code": artifacts.code_hash("vllm_adaptive/depth", "vllm_adaptive/corpora.py"),
     }
 
     def build(d: Path) -> None:
@@ -163,7 +163,7 @@ def smoothing_profile(model_dir: Path) -> Path:
     tokens of code), for the w8a8 precision. Cached by model fingerprint and code."""
     import platform
 
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
     from vllm_adaptive.precision.smoothing import calibrate_smoothing
 
     key = {
@@ -171,7 +171,7 @@ def smoothing_profile(model_dir: Path) -> Path:
         "python": platform.python_version(),
         "tokens": 2048,
         "code": artifacts.code_hash(
-            "vllm_adaptive/precision/smoothing.py", "vllm_adaptive/bench/corpus.py"
+            "vllm_adaptive/precision/smoothing.py", "vllm_adaptive/corpora.py"
         ),
     }
 

@@ -26,7 +26,7 @@ def _cmd_models_list(args: argparse.Namespace) -> int:
 def _cmd_corpora_prepare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vllm_adaptive.bench.corpus import default_code_corpus, default_prose_corpus
+    from vllm_adaptive.corpora import default_code_corpus, default_prose_corpus
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,6 +80,36 @@ def _cmd_kernels_measure(args: argparse.Namespace) -> int:
     from vllm_adaptive.kernels.measure import run_from_args
 
     return run_from_args(args)
+
+
+def _cmd_kernels_bench(args: argparse.Namespace) -> int:
+    from importlib import import_module
+
+    return import_module(_KERNEL_BENCHES[args.kernels_command][0]).main(args.rest)
+
+
+def _cmd_step_cost(args: argparse.Namespace) -> int:
+    from vllm_adaptive.bench.step_cost import main
+
+    return main(args.rest)
+
+
+#: `kernels` subcommands whose arguments their own module parses (it imports torch, the CLI
+#: does not): name -> (module, help)
+_KERNEL_BENCHES = {
+    "bench-packed": (
+        "vllm_adaptive.kernels.bench_packed",
+        "time every packed-weight matmul path against F.linear (CPU)",
+    ),
+    "bench-triton": (
+        "vllm_adaptive.kernels.bench_triton",
+        "check and time the Triton packed-weight kernels (CUDA)",
+    ),
+    "bench-attention": (
+        "vllm_adaptive.kernels.bench_attention",
+        "check and time paged attention with the per-slot depth mask (CPU or CUDA)",
+    ),
+}
 
 
 def _cmd_kernels_dispatch(args: argparse.Namespace) -> int:
@@ -179,6 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
         "dispatch", help="the kernel choices engines measured on this machine (cached table)"
     )
     kdispatch.set_defaults(func=_cmd_kernels_dispatch)
+    for name, (_module, help_text) in _KERNEL_BENCHES.items():
+        kb = kernels_sub.add_parser(
+            name, help=f"{help_text}; --help for its options", add_help=False
+        )
+        kb.set_defaults(func=_cmd_kernels_bench, forwards_rest=True)
+
+    step = sub.add_parser(
+        "step-cost",
+        help="decode step time vs tokens per step through stock vLLM (the price of "
+        "verification); --help for its options",
+        add_help=False,
+    )
+    step.set_defaults(func=_cmd_step_cost, forwards_rest=True)
 
     from vllm_adaptive.m2r2.args import add_m2r2_arguments
 
@@ -201,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "forwards_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest  # the commands that parse their own options get the rest
     return args.func(args)
 
 

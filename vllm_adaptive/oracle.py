@@ -133,7 +133,7 @@ def run_oracle(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_adaptive.bench.corpus import read_corpus, token_windows
+    from vllm_adaptive.corpora import read_corpus, token_windows
 
     if not 0 < score <= window:
         raise ValueError(f"score must be in 1..window ({window}), got {score}")

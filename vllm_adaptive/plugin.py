@@ -5,10 +5,9 @@ per process, so registration is idempotent. In the frontend it runs before the
 engine and worker processes are spawned, so the telemetry exchange directory
 it ensures (`$ADAPTIVE_STATS_DIR`) is inherited by all of them.
 
-It also applies the plugin's runtime replacements of vLLM functions
-(:mod:`vllm_adaptive.vllm_patches`: the per-request checks that need the engine's config or
-must run before a streaming response starts), in every process, before vLLM builds its
-engines and its HTTP app.
+It also applies the plugin's changes to vLLM that must be in place before vLLM builds its
+engines and its HTTP app (the model classes, the per-request checks): the entries of
+:mod:`vllm_adaptive.vllm_patches` applied at registration.
 """
 
 from __future__ import annotations
@@ -19,21 +18,6 @@ def register() -> None:
 
     ensure_stats_dir()
 
-    from vllm_adaptive.vllm_patches import apply_vllm_patches
+    from vllm_adaptive.vllm_patches import apply_at_register
 
-    apply_vllm_patches()
-
-    from vllm import ModelRegistry
-
-    from vllm_adaptive.models import ADAPTIVE_ARCHITECTURES
-
-    for arch in ADAPTIVE_ARCHITECTURES:
-        for name, target in ((arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)):
-            current = ModelRegistry.models.get(name)
-            module, _, cls = target.partition(":")
-            if (
-                getattr(current, "module_name", None) == module
-                and getattr(current, "class_name", None) == cls
-            ):
-                continue
-            ModelRegistry.register_model(name, target)
+    apply_at_register()

@@ -101,8 +101,8 @@ def engine_request_check(vllm_config: Any) -> Callable[[Any], None]:
 
 def check_architecture_supported(vllm_config: Any) -> None:
     """Refuse an adaptive config for an architecture without an adaptive class."""
+    from vllm_adaptive.architectures import ADAPTIVE_ARCHITECTURES
     from vllm_adaptive.config import adaptive_config_from_vllm
-    from vllm_adaptive.models import ADAPTIVE_ARCHITECTURES
 
     if vllm_config is None or adaptive_config_from_vllm(vllm_config) is None:
         return

@@ -1,28 +1,62 @@
-"""Every runtime replacement of a vLLM function, in one place (applied by ``plugin.register``).
+"""Every intrusion of the plugin into vLLM, in one registry (:data:`INTRUSIONS`).
 
-vLLM offers no hook for what these do; each is written against vLLM 0.32 and applied only when
-the installed vLLM's version starts with one of :data:`SUPPORTED_VLLM`. On another version
-nothing is replaced, a warning says so, and the plugin falls back to what vLLM's own hooks
-give (bad overrides still refused at admission, but inside the stream when streaming; JSON
-booleans coerced to numbers; settings the engine cannot honour logged as ignored).
+An intrusion is a change to vLLM's own objects that vLLM offers no hook for. Each entry says
+what it replaces, the vLLM versions it was written and checked against, and when it is applied;
+:func:`apply` is the one way to apply one. It checks ``vllm.__version__`` (on another version
+an entry either stays off with a warning, ``other_versions="skip"``, or is applied with a
+warning when the plugin cannot work without it, ``"apply"``), applies it at most once per
+process (a second call is a no-op that says so), and logs what it replaced.
 
-1. ``InputProcessor._build_logits_processors_params_validator`` (every engine front: ``LLM``,
-   ``AsyncLLM``): the per-request validator it returns also checks the adaptive overrides
-   against *this engine's* adaptive config (``vllm_config.additional_config``), so a setting
-   the engine cannot honour (``adaptive_gear`` without gears, a depth budget on a non-EMAD
-   signal) is a ``VLLMValidationError`` (HTTP 400) naming why. vLLM's logits-processor hook
-   (``validate_params``) is a classmethod that never sees the engine's config.
-2. ``AsyncLLM.generate``: runs that check when the request is submitted, before the first
-   ``await``. vLLM validates a request's parameters inside the async generator, which the
-   OpenAI server first iterates inside a streaming response, after sending HTTP 200: a bad
-   override then became an error event in a 200 stream plus a logged traceback. Raised here, it
-   propagates out of ``create_completion`` / ``create_chat_completion`` like vLLM's own
-   sampling-parameter errors and is answered 400.
-3. The OpenAI request models' ``vllm_xargs`` field (completions, chat, responses, Anthropic
-   messages): pydantic's lax union ``str | int | float`` turns a JSON ``true`` into ``1`` before
-   anything else sees it, so ``{"adaptive_depth_budget": true}`` passed as a budget of 1. The
-   field gets a wrap validator that puts back the JSON boolean of ``adaptive_*`` keys (other
-   keys are left as vLLM makes them), so the validator refuses it naming what was sent.
+Applied by the general plugin (:func:`vllm_adaptive.plugin.register`, every vLLM process,
+before engines and the HTTP app are built), :func:`apply_at_register`:
+
+``model-registry``
+    ``ModelRegistry``: every adaptive architecture's stock name (``LlamaForCausalLM``, ...)
+    gets a dispatcher (``models/dispatch.py``) that builds the stock class unless the engine's
+    ``additional_config`` has an ``adaptive`` section, and the adaptive classes are registered
+    under their own names.
+``admission-check``
+    ``InputProcessor._build_logits_processors_params_validator`` (every engine front: ``LLM``,
+    ``AsyncLLM``): the per-request validator it returns also checks the adaptive overrides
+    against *this engine's* adaptive config, so a setting the engine cannot honour
+    (``adaptive_gear`` without gears, a depth budget on a non-EMAD signal) is a
+    ``VLLMValidationError`` (HTTP 400) naming why. vLLM's logits-processor hook
+    (``validate_params``) is a classmethod that never sees the engine's config.
+``check-before-stream``
+    ``AsyncLLM.generate``: runs that check when the request is submitted, before the first
+    ``await``. vLLM validates a request's parameters inside the async generator, which the
+    OpenAI server first iterates inside a streaming response, after sending HTTP 200.
+``xargs-booleans``
+    The OpenAI request models' ``vllm_xargs`` field (completions, chat, responses, Anthropic
+    messages): pydantic's lax union ``str | int | float`` turns a JSON ``true`` into ``1``; the
+    field gets a wrap validator that puts back the JSON boolean of ``adaptive_*`` keys.
+
+Applied where they must be, through :func:`apply`:
+
+``masked-attention-backend`` (adaptive model construction, ``kv_strategy: "mask"``, before the
+    attention layers pick their backend)
+    The class path of ``AttentionBackendEnum.CPU_ATTN`` in vLLM's backend registry, and the
+    selector's cache: CPU_ATTN layers get the depth-masked impl
+    (``attention/masked_backend.py``). Only in engines that ask for the mask.
+``cpu-expand-kernel`` (construction of the plugin's proposer)
+    vLLM's CPU fallback of the rejection sampler's ``expand_kernel`` in
+    ``vllm.triton_utils.dispatcher``, which loses its output and leaves draft temperatures
+    uninitialised (see :func:`expand_kernel`). Only in the plugin's speculative engines, after
+    the platform registered its fallbacks; stock engines keep vLLM's behaviour, bug included.
+``drafter-runner`` (construction of the plugin's proposer)
+    ``GPUModelRunner.load_model`` / ``CPUModelRunner.load_model``: once the runner has loaded
+    the model and its drafter, a drafter with ``attach_runner`` is handed the runner, whose
+    persistent batch says which request is in which row (vLLM's ``custom_class`` interface
+    passes rows only). This replaced a walk up the call stack.
+
+Not in the registry, because vLLM or torch offers them as hooks: the entry points
+``vllm.logits_processors`` (``request_overrides.AdaptiveRequestValidator``: the admission check,
+and ``update_state`` as the per-step batch hook of ``batch_mirror``),
+``vllm.stat_logger_plugins`` (``metrics.py``) and ``vllm.endpoint_plugins`` (``routes.py``); the
+``custom_class`` speculative proposer; a torch forward pre-hook the proposer puts on the model it
+drafts for (``speculative/proposer.py``). Nor are changes to module instances of the model the
+plugin itself built (gears swap a linear's ``quant_method`` in ``models/precision.py``; the Exit
+River's backbone offloading replaces a linear's weight in ``depth/exit_river.py``).
 """
 
 from __future__ import annotations
@@ -30,12 +64,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
 
 logger = logging.getLogger("vllm.adaptive.patches")
 
-#: vLLM versions these replacements were written and checked against.
-SUPPORTED_VLLM = ("0.32.",)
+#: vLLM versions every entry was written and checked against (prefixes of ``__version__``).
+WRITTEN_FOR = ("0.32.",)
 #: Request models whose ``vllm_xargs`` keep JSON booleans of ``adaptive_*`` keys.
 XARGS_MODELS = (
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
@@ -44,7 +81,27 @@ XARGS_MODELS = (
     ("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
 )
 _MARK = "__vllm_adaptive_patched__"
-_applied: list[str] = []
+
+
+@dataclass(frozen=True)
+class Intrusion:
+    """One change to vLLM's objects; ``patch`` returns whether it changed anything."""
+
+    name: str
+    replaces: str
+    when: Literal["register", "model construction", "proposer construction"]
+    patch: Callable[[], bool]
+    #: on a vLLM outside ``versions``: "skip" (warn, leave vLLM alone) or "apply" (warn, apply:
+    #: the feature that needs it cannot run otherwise)
+    other_versions: Literal["skip", "apply"] = "skip"
+    versions: tuple[str, ...] = WRITTEN_FOR
+    #: a failing patch raises (True) or is logged and left off (False: vLLM must still start)
+    required: bool = False
+
+
+#: name -> outcome in this process: "replaced", "unchanged" (nothing to replace), "skipped"
+#: (other vLLM version) or "failed"
+_outcomes: dict[str, str] = {}
 
 
 def vllm_version() -> str:
@@ -53,36 +110,61 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def apply_vllm_patches() -> list[str]:
-    """Apply every replacement once per process; returns what this process has patched."""
-    if _applied:
-        return list(_applied)
-    version = vllm_version()
-    if not version.startswith(SUPPORTED_VLLM):
-        logger.warning(
-            "vllm-adaptive: vLLM %s is not one the plugin's request checks were written for "
-            "(%s); left vLLM unpatched: bad per-request adaptive values in streaming requests "
-            "are errors inside the stream, and settings an engine cannot honour are logged as "
-            "ignored instead of refused",
-            version,
-            ", ".join(v + "x" for v in SUPPORTED_VLLM),
+def apply(name: str) -> bool:
+    """Apply the registry entry ``name`` once per process; True when it changed vLLM now."""
+    entry = INTRUSIONS[name]
+    if name in _outcomes:
+        logger.debug(
+            "vllm-adaptive: %s already handled in this process (%s)", name, _outcomes[name]
         )
-        _applied.append("none")
-        return list(_applied)
-    for name, patch in (
-        ("InputProcessor._build_logits_processors_params_validator", _patch_input_processor),
-        ("AsyncLLM.generate", _patch_async_generate),
-        ("vllm_xargs JSON booleans", _patch_xargs_models),
-    ):
-        try:
-            done = patch()
-        except Exception:  # a patch must never stop vLLM from starting
-            logger.exception("vllm-adaptive: could not patch %s", name)
-            continue
-        if done:
-            _applied.append(name)
-    logger.debug("vllm-adaptive: patched vLLM %s: %s", version, _applied)
-    return list(_applied)
+        return False
+    version = vllm_version()
+    if not version.startswith(entry.versions):
+        if entry.other_versions == "skip":
+            logger.warning(
+                "vllm-adaptive: vLLM %s is not one %s was written for (%s); left %s as it is",
+                version,
+                name,
+                ", ".join(v + "x" for v in entry.versions),
+                entry.replaces,
+            )
+            _outcomes[name] = "skipped"
+            return False
+        logger.warning(
+            "vllm-adaptive: vLLM %s is not one %s was written for (%s); replacing %s anyway "
+            "(the plugin needs it)",
+            version,
+            name,
+            ", ".join(v + "x" for v in entry.versions),
+            entry.replaces,
+        )
+    try:
+        changed = entry.patch()
+    except Exception:
+        if entry.required:
+            raise  # not recorded: the engine that needed it fails, a later one may try again
+        _outcomes[name] = "failed"
+        logger.exception("vllm-adaptive: could not replace %s (%s)", entry.replaces, name)
+        return False
+    _outcomes[name] = "replaced" if changed else "unchanged"
+    if changed:
+        logger.info("vllm-adaptive: %s: replaced %s", name, entry.replaces)
+    else:
+        logger.debug("vllm-adaptive: %s: nothing to replace in %s", name, entry.replaces)
+    return changed
+
+
+def apply_at_register() -> list[str]:
+    """Apply every entry applied by the general plugin; the names handled so far."""
+    for entry in INTRUSIONS.values():
+        if entry.when == "register":
+            apply(entry.name)
+    return applied()
+
+
+def applied() -> list[str]:
+    """Entries this process replaced something for."""
+    return [name for name, outcome in _outcomes.items() if outcome == "replaced"]
 
 
 def _mark(fn: Callable) -> Callable:
@@ -92,6 +174,29 @@ def _mark(fn: Callable) -> Callable:
 
 def _patched(fn: Any) -> bool:
     return bool(getattr(fn, _MARK, False))
+
+
+# -- model registry ------------------------------------------------------------------------------
+
+
+def _patch_model_registry() -> bool:
+    from vllm import ModelRegistry
+
+    from vllm_adaptive.architectures import ADAPTIVE_ARCHITECTURES
+
+    changed = False
+    for arch in ADAPTIVE_ARCHITECTURES:
+        for name, target in ((arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)):
+            current = ModelRegistry.models.get(name)
+            module, _, cls = target.partition(":")
+            if (
+                getattr(current, "module_name", None) == module
+                and getattr(current, "class_name", None) == cls
+            ):
+                continue
+            ModelRegistry.register_model(name, target)
+            changed = True
+    return changed
 
 
 # -- 1. engine-aware admission check ----------------------------------------------------------
@@ -186,3 +291,134 @@ def _patch_xargs_models() -> bool:
         setattr(cls, _MARK, True)
         done += 1
     return done > 0
+
+
+# -- masked attention backend --------------------------------------------------------------------
+
+
+def _patch_attention_backend() -> bool:
+    from vllm_adaptive.attention.masked_backend import register_masked_backend
+
+    return register_masked_backend()
+
+
+# -- the rejection sampler's CPU expand_kernel ---------------------------------------------------
+
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_kernel(output, input_ptr, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """``output[t] = x[r]`` for every token ``t`` of request ``r`` (``replace_from`` in ``x``
+    becomes ``replace_to``), in ``output``'s own dtype.
+
+    Replaces vLLM 0.32's CPU fallback (``vllm/utils/cpu_triton_utils.py``), which converts its
+    output buffer to int64 before the C++ call (``_ensure_int64`` copies a float tensor) and
+    never copies the result back. ``expand_batch_to_tokens`` uses it to give every draft token
+    its request's temperature, so with random sampling the temperatures of draft positions are
+    uninitialised memory and the rejection sampler accepts and recovers tokens from garbage
+    distributions; greedy requests do not read it. It breaks every proposer on CPU, vLLM's own
+    ``ngram`` included (measured: docs/speculative.md)."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    vals = torch.where(
+        input_ptr == replace_from, torch.as_tensor(replace_to, dtype=input_ptr.dtype), input_ptr
+    )
+    output.copy_(torch.repeat_interleave(vals, counts, output_size=output.numel()))
+
+
+def _patch_expand_kernel() -> bool:
+    from vllm.triton_utils import dispatcher
+
+    current = dispatcher._registry.get(EXPAND_KERNEL)
+    if current is None or getattr(current[1], "__module__", "") != "vllm.utils.cpu_triton_utils":
+        return False  # Triton runs it, or it is replaced already
+    dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel})
+    return True
+
+
+# -- the model runner for the plugin's drafter ---------------------------------------------------
+
+
+def attach_drafter_after(load_model: Callable) -> Callable:
+    """``load_model`` of a model runner, then ``drafter.attach_runner(runner)`` for a drafter
+    that has one."""
+
+    @functools.wraps(load_model)
+    def wrapped(self, *args, **kwargs):
+        out = load_model(self, *args, **kwargs)
+        attach = getattr(getattr(self, "drafter", None), "attach_runner", None)
+        if callable(attach):
+            attach(self)
+        return out
+
+    return _mark(wrapped)
+
+
+def _patch_runner_load_model() -> bool:
+    import importlib
+
+    changed = False
+    for module_name, cls_name in (
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+        ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),  # overrides load_model
+    ):
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except ImportError:  # a build without this runner cannot be running it
+            continue
+        original = cls.__dict__.get("load_model")
+        if original is None or _patched(original):
+            continue
+        cls.load_model = attach_drafter_after(original)
+        changed = True
+    return changed
+
+
+INTRUSIONS: dict[str, Intrusion] = {
+    e.name: e
+    for e in (
+        Intrusion(
+            "model-registry",
+            "ModelRegistry entries of the adaptive architectures",
+            "register",
+            _patch_model_registry,
+            other_versions="apply",
+            required=True,
+        ),
+        Intrusion(
+            "admission-check",
+            "InputProcessor._build_logits_processors_params_validator",
+            "register",
+            _patch_input_processor,
+        ),
+        Intrusion("check-before-stream", "AsyncLLM.generate", "register", _patch_async_generate),
+        Intrusion(
+            "xargs-booleans",
+            "the vllm_xargs field of the OpenAI request models",
+            "register",
+            _patch_xargs_models,
+        ),
+        Intrusion(
+            "masked-attention-backend",
+            "AttentionBackendEnum.CPU_ATTN's class path",
+            "model construction",
+            _patch_attention_backend,
+            other_versions="apply",
+            required=True,
+        ),
+        Intrusion(
+            "cpu-expand-kernel",
+            "vllm.triton_utils.dispatcher's CPU expand_kernel",
+            "proposer construction",
+            _patch_expand_kernel,
+        ),
+        Intrusion(
+            "drafter-runner",
+            "GPUModelRunner.load_model and CPUModelRunner.load_model",
+            "proposer construction",
+            _patch_runner_load_model,
+            other_versions="apply",
+            required=True,
+        ),
+    )
+}

@@ -18,8 +18,8 @@ import torch
 
 from tests.support import workloads
 from tests.support.engines import make_llm, shutdown
+from vllm_adaptive.artifacts import model_fingerprint
 from vllm_adaptive.depth.exit_profile import ExitProfile
-from vllm_adaptive.depth.profile import model_fingerprint
 from vllm_adaptive.m2r2.adapters import AdapterConfig, M2R2Adapters
 
 EXIT_PROMPTS, OFF_PROMPTS = workloads.ARLA_EXIT_PROMPTS, workloads.ARLA_OFF_PROMPTS

@@ -186,8 +186,8 @@ def test_bad_depth_budget_is_rejected_and_engine_keeps_serving(depth_llm) -> Non
 def test_profile_for_another_model_is_refused(
     depth_profile: Path, model_dir: Path, tmp_path: Path
 ) -> None:
+    from vllm_adaptive.artifacts import ProfileError
     from vllm_adaptive.depth.exit_profile import ExitProfile
-    from vllm_adaptive.depth.profile import ProfileError
 
     other = tmp_path / "other-model"
     other.mkdir()

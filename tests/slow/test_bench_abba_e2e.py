@@ -38,7 +38,7 @@ def _check_rounds(entry: dict) -> None:
 
 
 def test_bench_persistent_abba_with_w8a8_peer(model_dir: Path, tmp_path: Path) -> None:
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
     from vllm_adaptive.model_zoo import prepare
 
     peer_dir = prepare("smollm2-135m-instruct-w8a8", quiet=True)
@@ -88,7 +88,7 @@ def test_bench_persistent_abba_with_w8a8_peer(model_dir: Path, tmp_path: Path) -
 
 
 def test_bench_fresh_engines(model_dir: Path, tmp_path: Path) -> None:
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
 
     corpus = default_code_corpus(tmp_path / "code.txt", max_chars=400_000)
     res = _bench(model_dir, corpus, tmp_path / "b.json", "--engines", "fresh")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_adaptive.bench.corpus import default_code_corpus, read_corpus
+from vllm_adaptive.corpora import default_code_corpus, read_corpus
 
 
 def test_bench_end_to_end(model_dir: Path, tmp_path: Path) -> None:

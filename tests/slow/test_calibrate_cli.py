@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_adaptive.artifacts import load_profile
 from vllm_adaptive.config import SignalConfig
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.policies.build import build_exit_signal
 from vllm_adaptive.depth.policies.probe import ProbeBatch
-from vllm_adaptive.depth.profile import load_profile
 
 
 def test_calibrate_cli_end_to_end(tmp_path: Path) -> None:
     """Real model, tiny token budget: the CLI writes a loadable profile and a summary."""
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
     from vllm_adaptive.model_zoo import prepare
 
     model = prepare("smollm2-135m-instruct", quiet=True)
@@ -49,7 +49,7 @@ def test_calibrate_cli_end_to_end(tmp_path: Path) -> None:
 def test_calibrate_signals_cli_end_to_end(tmp_path: Path) -> None:
     """Real model, tiny token budget: `--signal quicksilver --signal river` writes both
     sections into a loadable profile, and the built signals run on real hidden states."""
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
     from vllm_adaptive.depth.collect import load_model
     from vllm_adaptive.model_zoo import prepare
 

@@ -39,7 +39,7 @@ TRAIN_ARGS = {
 @pytest.fixture(scope="module")
 def small_corpora(tmp_path_factory) -> list[Path]:
     """Two small text files (Python stdlib source), so tokenising takes no time."""
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
 
     d = tmp_path_factory.mktemp("m2r2-corpora")
     text = default_code_corpus(d / "all.txt", max_chars=400_000).read_text()

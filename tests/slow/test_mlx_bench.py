@@ -16,7 +16,7 @@ mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip inst
 
 
 def test_bench_backend_mlx_end_to_end(model_dir: Path, tmp_path: Path) -> None:
-    from vllm_adaptive.bench.corpus import default_code_corpus
+    from vllm_adaptive.corpora import default_code_corpus
 
     corpus = default_code_corpus(tmp_path / "code.txt", max_chars=200_000)
     out = tmp_path / "bench.json"

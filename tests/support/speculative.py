@@ -33,7 +33,7 @@ def random_m2r2_adapter(model_dir: Path, out: Path) -> Path:
     the accelerated stream is exercised (trained adapters' quality is the bench's business)."""
     import torch
 
-    from vllm_adaptive.depth.profile import model_fingerprint
+    from vllm_adaptive.artifacts import model_fingerprint
     from vllm_adaptive.m2r2.adapters import AdapterConfig, M2R2Adapters
 
     cfg = AdapterConfig.from_model_config(

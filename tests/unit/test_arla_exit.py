@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vllm_adaptive.artifacts import Profile, model_fingerprint, save_profile
 from vllm_adaptive.config import AdaptiveConfigError, SignalConfig, parse_adaptive_config
 from vllm_adaptive.depth.accelerated import AcceleratedStash, AcceleratedStream
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.policies.arla import ArlaExitSignal
 from vllm_adaptive.depth.policies.build import build_exit_signal, load_arla_adapters
 from vllm_adaptive.depth.policies.probe import ProbeBatch
-from vllm_adaptive.depth.profile import Profile, model_fingerprint, save_profile
 from vllm_adaptive.m2r2.adapters import AdapterConfig, M2R2Adapters
 
 D, LAYERS, VOCAB = 8, 6, 20

@@ -9,8 +9,8 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from vllm_adaptive.bench.corpus import read_corpus, token_windows
 from vllm_adaptive.bench.teacher_forcing import FORCE_KEY, TeacherForcingLogitsProcessor
+from vllm_adaptive.corpora import read_corpus, token_windows
 from vllm_adaptive.flops import DenseShape
 
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_adaptive.bench.corpus import read_corpus
 from vllm_adaptive.bench.dispatch import kernel_dispatch, linear_methods
 from vllm_adaptive.bench.machine import ISA_FLAGS, cpuinfo, env_info
+from vllm_adaptive.corpora import read_corpus
 
 
 def test_env_info_records_cpu_isa_and_versions(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def test_specs_map_to_engine_settings() -> None:
     "text, match",
     [
         ('{"method": "ngram"}', "integer k"),
-        ('{"method": "eagle", "k": 2}', "ngram"),
+        ('{"method": "eagle", "k": 2}', "built-in methods"),
         ('{"k": 2}', "either"),
         ('{"k": 2, "draft": {"draft": "lowbit"}, "extra": 1}', "unknown keys"),
         ("not json", "not JSON"),
@@ -57,6 +57,19 @@ def test_specs_map_to_engine_settings() -> None:
 def test_bad_specs_are_refused(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_spec(text)
+
+
+def test_suffix_decoding_is_vllms_method_and_needs_arctic_inference() -> None:
+    import importlib.util
+
+    text = '{"method": "suffix", "k": 8}'
+    if importlib.util.find_spec("arctic_inference") is None:
+        with pytest.raises(ValueError, match="arctic-inference"):
+            parse_spec(text)
+        return
+    spec = parse_spec(text)
+    assert engine_settings(spec) == ({}, {"method": "suffix", "num_speculative_tokens": 8})
+    assert spec_label(spec) == "suffix k=8"
 
 
 def test_bad_draft_settings_are_refused_before_any_engine() -> None:

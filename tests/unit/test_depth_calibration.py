@@ -11,10 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_adaptive.depth.budget import SimData, search_q, simulate
-from vllm_adaptive.depth.isotonic import IsotonicMap, isotonic_fit
-from vllm_adaptive.depth.norms import fit_affine
-from vllm_adaptive.depth.profile import (
+from vllm_adaptive.artifacts import (
     JSON_NAME,
     TENSORS_NAME,
     Profile,
@@ -22,6 +19,9 @@ from vllm_adaptive.depth.profile import (
     load_profile,
     save_profile,
 )
+from vllm_adaptive.depth.budget import SimData, search_q, simulate
+from vllm_adaptive.depth.isotonic import IsotonicMap, isotonic_fit
+from vllm_adaptive.depth.norms import fit_affine
 from vllm_adaptive.depth.proxies import LowRankReadout
 from vllm_adaptive.depth.targets import entropy_targets
 from vllm_adaptive.flops import DenseShape

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vllm_adaptive.artifacts import Profile, ProfileError, save_profile
 from vllm_adaptive.config import AdaptiveConfigError, SignalConfig, parse_adaptive_config
 from vllm_adaptive.depth.budget import SimData, simulate, simulate_mask
 from vllm_adaptive.depth.calibrate_quicksilver import (
@@ -26,7 +27,6 @@ from vllm_adaptive.depth.policies.emad import EmadExitSignal
 from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.policies.quicksilver import QuickSilverExitSignal, halting_rule
 from vllm_adaptive.depth.policies.river import RiverExitSignal
-from vllm_adaptive.depth.profile import Profile, ProfileError, save_profile
 from vllm_adaptive.depth.signal_arrays import SignalArrays
 from vllm_adaptive.flops import DenseShape
 

@@ -211,7 +211,7 @@ def test_exit_mode_losses_and_gradients(hf_model, ids):
 
 
 def test_save_load_round_trip_and_refusals(hf_model, model_dir, tmp_path):
-    from vllm_adaptive.depth.profile import model_fingerprint
+    from vllm_adaptive.artifacts import model_fingerprint
 
     cfg = AdapterConfig.from_model_config(hf_model.config, mode="exit", gates=[3, 6], rank=4)
     ad = _randomise(M2R2Adapters.zeros(cfg))

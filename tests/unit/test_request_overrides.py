@@ -89,11 +89,11 @@ def test_vllm_patches_keep_json_booleans_of_adaptive_keys_only() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_adaptive.vllm_patches import apply_vllm_patches
+    from vllm_adaptive.vllm_patches import apply_at_register
 
-    applied = apply_vllm_patches()
-    assert applied == apply_vllm_patches()  # once per process
-    assert "vllm_xargs JSON booleans" in applied and "AsyncLLM.generate" in applied
+    applied = apply_at_register()
+    assert applied == apply_at_register()  # once per process
+    assert "xargs-booleans" in applied and "check-before-stream" in applied
     xargs = {"adaptive_gear": True, "adaptive_depth_budget": 0.5, "other": True, "n": [True]}
     completion = CompletionRequest.model_validate(
         {"model": "m", "prompt": "p", "vllm_xargs": xargs}

@@ -91,12 +91,14 @@ def test_proposer_without_settings_is_refused() -> None:
 
 
 def test_requests_sent_with_mode_off_do_not_draft() -> None:
-    """The proposer reads each row's request from the runner that loaded it."""
+    """The proposer reads each row's request from the runner that loaded it, which hands
+    itself over after loading (vllm_patches entry drafter-runner)."""
     from types import SimpleNamespace
 
     from vllm import SamplingParams
 
-    from vllm_adaptive.speculative.requests import DraftingRequests, find_model_runner
+    from vllm_adaptive.speculative.requests import DraftingRequests
+    from vllm_adaptive.vllm_patches import attach_drafter_after
 
     def state(**extra) -> SimpleNamespace:
         return SimpleNamespace(sampling_params=SamplingParams(extra_args=extra or None))
@@ -106,13 +108,21 @@ def test_requests_sent_with_mode_off_do_not_draft() -> None:
             self.input_batch = SimpleNamespace(req_ids=["a", "b"])
             self.requests = {"a": state(adaptive_mode="off"), "b": state(adaptive_request_tag="t")}
 
-        def load_model(self, proposer_load):
-            return proposer_load()
+        @attach_drafter_after
+        def load_model(self):
+            self.drafter = Drafter()
+            return "loaded"
+
+    class Drafter:
+        runner = None
+
+        def attach_runner(self, runner):
+            self.runner = runner
 
     runner = Runner()
-    found = runner.load_model(lambda: find_model_runner(depth=1))
-    assert found is runner
-    reqs = DraftingRequests(found)
+    assert runner.load_model() == "loaded"
+    assert runner.drafter.runner is runner
+    reqs = DraftingRequests(runner.drafter.runner)
     assert reqs.drafting(2) == [False, True]
     runner.input_batch.req_ids = ["b", "a"]  # rows moved
     assert reqs.drafting(2) == [True, False]

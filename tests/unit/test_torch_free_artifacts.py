@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vllm_adaptive.artifacts import model_fingerprint
 from vllm_adaptive.bench.metrics import free_running_agreement
 from vllm_adaptive.depth.isotonic import IsotonicMap
 from vllm_adaptive.depth.policies.emad_rule import EmadRule
-from vllm_adaptive.depth.profile import model_fingerprint
 
 
 def _torch_fingerprint(model_dir: Path) -> str:

@@ -29,13 +29,13 @@ from vllm_adaptive.bench.bandwidth import (
     checkpoint_weight_bytes,
     stream_bandwidth,
 )
-from vllm_adaptive.bench.corpus import CorpusFile, read_corpus, token_windows
 from vllm_adaptive.bench.free_running import free_running_agreement
+from vllm_adaptive.bench.labels import config_label
 from vllm_adaptive.bench.machine import env_info, load_average, mem_available_bytes
-from vllm_adaptive.bench.report import config_label
 from vllm_adaptive.bench.schedule import abba_order, ratios_per_round, spread
 from vllm_adaptive.bench.teacher_forcing import ForcedStream, greedy_agreement, perplexity
 from vllm_adaptive.config import additional_config_for, load_config_arg
+from vllm_adaptive.corpora import CorpusFile, read_corpus, token_windows
 from vllm_adaptive.flops import DenseShape
 
 

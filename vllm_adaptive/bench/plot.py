@@ -1,10 +1,10 @@
-"""Quality loss against speed-up (one point per run), gear traces, the calibration figure."""
+"""Quality loss against speed-up (one point per run), gear traces, speed and CPU ratios."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm_adaptive.bench.report import batch_sizes, run_group, run_labels
+from vllm_adaptive.bench.labels import batch_sizes, run_group, run_labels
 
 _STRATEGY_COLORS = {
     "monotone": "tab:blue",
@@ -205,40 +205,6 @@ def plot_gear_traces(results: dict[str, Any], path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-def plot_calibration(summary: dict[str, Any], path: str) -> None:
-    """Per probe layer: greedy agreement with the final layer under the plain logit lens and
-    the calibrated Norm_l, and the exit thresholds (tau_l - m_l) against tau_l."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers = summary["probe_layers"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(layers, summary["agreement_before"], marker="o", label="plain logit lens")
-    ax1.plot(layers, summary["agreement_after"], marker="s", label="calibrated Norm_l")
-    ax1.set_xlabel("probe layer (blocks run)")
-    ax1.set_ylabel("top-1 agreement with the final layer")
-    ax1.set_ylim(0, 1)
-    ax1.grid(alpha=0.3)
-    ax1.legend()
-    ax2.plot(layers, summary["tau"], marker="o", label="tau_l (entropy target, nats)")
-    thr = [t if t > -1e30 else float("nan") for t in summary["thresholds"]]
-    ax2.plot(layers, thr, marker="s", label="threshold tau_l - m_l")
-    ax2.axhline(0.0, color="grey", lw=0.8)
-    ax2.set_xlabel("probe layer (blocks run)")
-    ax2.set_ylabel("nats")
-    ax2.grid(alpha=0.3)
-    ax2.legend()
-    fig.suptitle(
-        f"EMAD calibration: budget {summary['budget']} ({summary['budget_kind']}), "
-        f"q={summary['q']:.4f}, rank {summary['rank']}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_ratios(results: dict[str, Any], path: str) -> None:

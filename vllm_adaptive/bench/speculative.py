@@ -1,12 +1,14 @@
 """`vllm-adaptive bench --spec ...`: speculative decoding against no speculation, per corpus.
 
 Each ``--spec`` is one engine: ``{"method": "ngram", "k": 4}`` (vLLM's built-in prompt-lookup
-proposer) or ``{"draft": {...adaptive.speculative...}, "k": 4}`` (the plugin's self-speculative
-proposer), either optionally with ``"target": {...adaptive.precision...}`` (a fixed-gear target,
-e.g. ``{"policy": "fixed", "gear": "fp16"}``: the drafts are verified by the fp16 model, which in
-float32 gives stock's greedy output). For every corpus, stock vLLM and every spec engine run the same
-prompts from that corpus; reported per engine and batch size: decode tokens/s and its ratio to
-stock, acceptance rate and mean accepted length (vLLM's own counters), and whether greedy output
+proposer), ``{"method": "suffix", "k": 8}`` (vLLM's suffix decoding, which needs Snowflake's
+arctic-inference: ``scripts/install-suffix-decoding.sh``) or ``{"draft":
+{...adaptive.speculative...}, "k": 4}`` (the plugin's self-speculative proposer), each
+optionally with ``"target": {...adaptive.precision...}`` (a fixed-gear target, e.g. ``{"policy":
+"fixed", "gear": "fp16"}``: the drafts are verified by the fp16 model, which in float32 gives
+stock's greedy output). For every corpus, stock vLLM and every spec engine run the same prompts
+from that corpus; reported per engine and batch size: decode tokens/s and its ratio to stock,
+acceptance rate and mean accepted length (vLLM's own counters), and whether greedy output
 was identical to stock's (speculation is lossless: in float32 it must be; in bfloat16
 verification of k+1 tokens at once may round differently from one at a time).
 """
@@ -14,14 +16,18 @@ verification of k+1 tokens at once may round differently from one at a time).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from vllm_adaptive.bench.corpus import read_corpus
 from vllm_adaptive.config import SELF_SPECULATIVE_PROPOSER, parse_adaptive_config
+from vllm_adaptive.corpora import read_corpus
+
+#: vLLM's own proposers the bench runs (``"method"``).
+VLLM_METHODS = ("ngram", "suffix")
 
 
 def _log(msg: str) -> None:
@@ -41,8 +47,13 @@ def parse_spec(text: str) -> dict[str, Any]:
         raise ValueError(f"--spec {text!r}: unknown keys {sorted(unknown)}")
     if ("method" in spec) == ("draft" in spec):
         raise ValueError(f'--spec {text!r}: give either "method": "ngram" or "draft": {{...}}')
-    if "method" in spec and spec["method"] != "ngram":
-        raise ValueError(f"--spec {text!r}: the only built-in method benched is ngram")
+    if "method" in spec and spec["method"] not in VLLM_METHODS:
+        raise ValueError(f"--spec {text!r}: the built-in methods benched are {VLLM_METHODS}")
+    if spec.get("method") == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        raise ValueError(
+            f"--spec {text!r}: vLLM's suffix decoding needs arctic-inference, which is not "
+            "installed (bash scripts/install-suffix-decoding.sh)"
+        )
     if "draft" in spec or "target" in spec:
         parse_adaptive_config(_adaptive(spec))
     return spec
@@ -61,7 +72,7 @@ def spec_label(spec: dict[str, Any]) -> str:
         return spec["label"]
     target = f", target {spec['target'].get('gear', 'geared')}" if "target" in spec else ""
     if "method" in spec:
-        return f"ngram k={spec['k']}{target}"
+        return f"{spec['method']} k={spec['k']}{target}"
     d = spec["draft"]
     if d["draft"] == "lowbit":
         q = d.get("precision", "int4")
@@ -75,8 +86,9 @@ def spec_label(spec: dict[str, Any]) -> str:
 def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(additional_config, speculative_config) of one spec engine."""
     if "method" in spec:
-        cfg = {"method": "ngram", "num_speculative_tokens": spec["k"]}
-        cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        cfg = {"method": spec["method"], "num_speculative_tokens": spec["k"]}
+        if spec["method"] == "ngram":
+            cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
         return ({"adaptive": _adaptive(spec)} if "target" in spec else {}), cfg
     return {"adaptive": _adaptive(spec)}, {
         "method": "custom_class",

@@ -1,4 +1,12 @@
-"""EMAD adaptive depth, offline part: collect, calibrate norms and proxies, fit budget targets.
+"""Adaptive depth: tokens leave the decoder stack early, with the KV cache kept consistent.
 
-The runtime (exits inside vLLM's forward pass) reads the profile written by `profile.py`.
+Two halves share this package and meet only through the profile on disk
+(`vllm_adaptive/artifacts.py`, read by the runtime through `exit_profile.py`):
+
+- offline calibration, no vLLM: `collect.py` (teacher forcing in transformers), `norms.py`,
+  `proxies.py`, `targets.py`, `budget.py` (the exit simulator), `calibrate*.py`, `readout.py`,
+  `signal_arrays.py`, `isotonic.py`;
+- the runtime inside vLLM's forward pass: `runtime.py` (depth-peeling over `peeling.py`, the
+  KV strategies `backfill.py`, `mask_context.py`, `exit_river.py`, `accelerated.py`),
+  `schedule.py`, `record.py`, `requests.py`, and the exit signals in `policies/`.
 """

@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_adaptive.artifacts import Profile, save_profile
 from vllm_adaptive.depth.budget import SimData, SimResult, search_q, simulate
 from vllm_adaptive.depth.calibrate_quicksilver import QuickSilverCalibration, calibrate_quicksilver
 from vllm_adaptive.depth.calibrate_river import RiverCalibration, calibrate_river
 from vllm_adaptive.depth.collect import CollectConfig, collect, load_model
 from vllm_adaptive.depth.isotonic import IsotonicMap
 from vllm_adaptive.depth.norms import AffineNorm, fit_layer_norms
-from vllm_adaptive.depth.profile import Profile, save_profile
 from vllm_adaptive.depth.proxies import ErrorStats, LowRankReadout, proxy_entropies
 from vllm_adaptive.depth.readout import chunks, entropy_nats
 from vllm_adaptive.depth.signal_arrays import SignalArrays
@@ -111,7 +111,7 @@ def calibrate(
     opts: CalibrationOptions,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from vllm_adaptive.bench.corpus import read_corpus
+    from vllm_adaptive.corpora import read_corpus
 
     t0 = time.perf_counter()
     unknown = set(opts.signals) - set(SIGNALS)
@@ -378,8 +378,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     s = calibrate(args.model, args.corpus, args.out, opts, progress=not args.quiet)
     if args.plot:
-        from vllm_adaptive.bench.plot import plot_calibration
-
         plot_calibration(s, args.plot)
     if args.json:
         print(json.dumps(s, indent=2))
@@ -387,6 +385,40 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(format_summary(s))
     print(f"profile written to {Path(args.out)}", file=sys.stderr)
     return 0
+
+
+def plot_calibration(summary: dict[str, Any], path: str) -> None:
+    """Per probe layer: greedy agreement with the final layer under the plain logit lens and
+    the calibrated Norm_l, and the exit thresholds (tau_l - m_l) against tau_l."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = summary["probe_layers"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(layers, summary["agreement_before"], marker="o", label="plain logit lens")
+    ax1.plot(layers, summary["agreement_after"], marker="s", label="calibrated Norm_l")
+    ax1.set_xlabel("probe layer (blocks run)")
+    ax1.set_ylabel("top-1 agreement with the final layer")
+    ax1.set_ylim(0, 1)
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    ax2.plot(layers, summary["tau"], marker="o", label="tau_l (entropy target, nats)")
+    thr = [t if t > -1e30 else float("nan") for t in summary["thresholds"]]
+    ax2.plot(layers, thr, marker="s", label="threshold tau_l - m_l")
+    ax2.axhline(0.0, color="grey", lw=0.8)
+    ax2.set_xlabel("probe layer (blocks run)")
+    ax2.set_ylabel("nats")
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    fig.suptitle(
+        f"EMAD calibration: budget {summary['budget']} ({summary['budget_kind']}), "
+        f"q={summary['q']:.4f}, rank {summary['rank']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def format_summary(s: dict[str, Any]) -> str:

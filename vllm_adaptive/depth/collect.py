@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_adaptive.corpora import token_windows_with_next
 from vllm_adaptive.depth.readout import Readout, entropy_nats
 
 
@@ -76,29 +77,6 @@ def load_model(model_dir: str | Path):
         unembed=model.lm_head.weight.detach().float(),
     )
     return model, tok, readout
-
-
-def token_windows_with_next(
-    tok, texts: list[str], window: int, count: int
-) -> tuple[list[list[int]], list[int]]:
-    """`count` windows of `window` tokens spread evenly over the concatenated texts, and the
-    token that follows each window (-1 at the end of the text)."""
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tok(text, add_special_tokens=False)["input_ids"])
-    available = len(ids) // window
-    if available < 1:
-        raise ValueError(f"calibration text has {len(ids)} tokens: shorter than one window")
-    count = min(count, available)
-    stride = available // count
-    starts = [i * stride * window for i in range(count)]
-    nexts = [ids[s + window] if s + window < len(ids) else -1 for s in starts]
-    return [ids[s : s + window] for s in starts], nexts
-
-
-def token_windows_from_texts(tok, texts: list[str], window: int, count: int) -> list[list[int]]:
-    """`count` windows of `window` tokens spread evenly over the concatenated texts."""
-    return token_windows_with_next(tok, texts, window, count)[0]
 
 
 def layer_transitions(hidden_states, num_layers: int, keep: int) -> tuple[torch.Tensor, ...]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_adaptive.depth.profile import ProfileError, load_profile
+from vllm_adaptive.artifacts import ProfileError, load_profile
 
 _REQUIRED = (
     "norm_a",

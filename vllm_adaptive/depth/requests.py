@@ -59,9 +59,9 @@ class DepthRequests:
         self._last_export = 0.0
 
     def _new(self, params: Any, prompt_ids: list[int] | None, _out: Any) -> DepthRequest:
-        from vllm_adaptive.request_overrides import parse_request_overrides
+        from vllm_adaptive.overrides import parse_overrides
 
-        o = parse_request_overrides(params.extra_args if params is not None else None)
+        o = parse_overrides(params.extra_args if params is not None else None)
         self.seen += 1
         # A budget of 1.0 means no exits whatever the signal: with EMAD combined with another
         # signal (combine "any"), 1.0 would otherwise only silence EMAD.

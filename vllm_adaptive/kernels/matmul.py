@@ -31,12 +31,13 @@ themselves for float32 activations are ever picked: see ``docs/packed-kernels.md
 Kernel layouts (int8 scales in the activation dtype, the int4pack weight and its
 scale-and-zero tensor) are prepared once and cached in ``packed.prepared``.
 
-Dispatch on CPU comes from ``_CPU_RULES`` below, measured with ``tools/bench_packed_kernels.py``
-on this project's CPU (numbers in ``docs/packed-kernels.md`` and cited next to the rules).
-Anything the table does not cover (other activation dtypes, weights no native kernel accepts)
-takes the slow-but-correct ``dequant`` path. CUDA devices take ``triton`` when it can run there
-(not yet measured against ``dequant`` on a GPU: ``tools/bench_triton_kernels.py`` does that) and
-``dequant`` otherwise; every other device takes ``dequant`` (dequantize then a dense matmul).
+Dispatch on CPU comes from ``_CPU_RULES`` below, measured with
+``vllm-adaptive kernels bench-packed`` on this project's CPU (numbers in
+``docs/packed-kernels.md`` and cited next to the rules). Anything the table does not cover
+(other activation dtypes, weights no native kernel accepts) takes the slow-but-correct
+``dequant`` path. CUDA devices take ``triton`` when it can run there (not yet measured against
+``dequant`` on a GPU: ``vllm-adaptive kernels bench-triton`` does that) and ``dequant``
+otherwise; every other device takes ``dequant`` (dequantize then a dense matmul).
 ``PATHS`` lists the CPU paths; ``ALL_PATHS`` adds ``triton``.
 
 :func:`matmul_planes` is the entry point for a Matryoshka tier in the bit-plane layout
@@ -81,10 +82,11 @@ _INF = float("inf")
 # ---------------------------------------------------------------------------------------------
 # The measured dispatch table (CPU).
 # (family, activation dtype) -> ((max_tokens, path), ...): the first rule with tokens <= max_tokens
-# wins. Measured with tools/bench_packed_kernels.py on the project's CI CPU (AMD EPYC, AVX2 only,
-# no AVX512 / AVX512-BF16), torch 2.13.0+cpu, 1 thread, 2026-11-21; raw data in docs/data/, the
-# full tables in docs/packed-kernels.md. "warm": one weight per shape (cache-resident when it fits);
-# "cold": calls rotated over 256 MiB of weight copies (DRAM-resident, as in a real forward pass).
+# wins. Measured with `vllm-adaptive kernels bench-packed` on the project's CI CPU (AMD EPYC,
+# AVX2 only, no AVX512 / AVX512-BF16), torch 2.13.0+cpu, 1 thread, 2026-11-21; raw data in
+# docs/data/, the full tables in docs/packed-kernels.md. "warm": one weight per shape
+# (cache-resident when it fits); "cold": calls rotated over 256 MiB of weight copies
+# (DRAM-resident, as in a real forward pass).
 # Times are medians in microseconds, shapes K x N, random weights (kernel speed does not depend on
 # the values).
 #

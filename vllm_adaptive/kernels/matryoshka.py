@@ -150,13 +150,6 @@ def matryoshka_quantize(
     return MatryoshkaWeight(base)
 
 
-def dequantize_tier(
-    m: MatryoshkaWeight, bits: int, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Function form of :meth:`MatryoshkaWeight.dequantize`."""
-    return m.dequantize(bits, dtype)
-
-
 def quantize_on_tier_grid(weight: torch.Tensor, m: MatryoshkaWeight, bits: int) -> PackedWeight:
     """Quantize ``weight`` *directly* to the grid of ``m``'s ``bits`` tier (same scales).
 

@@ -297,7 +297,7 @@ class M2R2Adapters(nn.Module):
 
 def check_model(config: AdapterConfig, meta: dict[str, Any], model_dir, where: str = "") -> None:
     """Raise AdapterError unless the adapter's shapes and fingerprint match ``model_dir``."""
-    from vllm_adaptive.depth.profile import ProfileError, model_fingerprint
+    from vllm_adaptive.artifacts import ProfileError, model_fingerprint
 
     model_dir = Path(model_dir)
     try:

@@ -2,7 +2,7 @@
 
 The base model is frozen (float32); only the adapters train. Each step takes ``--batch``
 windows of ``--seq-len`` + 1 tokens from the *calibration* part of the corpora (the first 90%
-of each file, `bench.corpus.read_corpus`), runs the slow stream (the base model, no grad) and the
+of each file, `corpora.read_corpus`), runs the slow stream (the base model, no grad) and the
 accelerated stream(s), and minimises (eq. 3 of the paper, normalised)::
 
     loss = alpha0 * CE  +  alpha1 * DISTILL  (+ alpha_router * BCE in exit mode)
@@ -98,7 +98,7 @@ def load_data(tok, corpora: list[str], seq_len: int, val_windows: int) -> tuple[
     """Non-overlapping windows of seq_len + 1 tokens: every window of the calibration part of
     each corpus for training; ``val_windows`` (split over the corpora) spread over the held-out
     evaluation part for validation."""
-    from vllm_adaptive.bench.corpus import read_corpus, token_windows
+    from vllm_adaptive.corpora import read_corpus, token_windows
 
     train, val, shas = [], [], []
     n = len(corpora)
@@ -465,7 +465,7 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_adaptive.depth.profile import model_fingerprint
+    from vllm_adaptive.artifacts import model_fingerprint
 
     torch.set_num_threads(opts.threads)
     dev = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))

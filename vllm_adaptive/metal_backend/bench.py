@@ -13,7 +13,7 @@ same process before the configs. Per config, at batch 1:
 - the gear distribution (teacher-forced streams per corpus and throughput runs), the depth
   histogram, or the draft acceptance, from the engine's telemetry.
 
-Prompts and streams come from the held-out 10% of each corpus (``bench/corpus.py``), as in
+Prompts and streams come from the held-out 10% of each corpus (``vllm_adaptive/corpora.py``), as in
 the vLLM bench. Nothing here imports vLLM or torch.
 """
 
@@ -27,16 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_adaptive.bench.corpus import CorpusFile, read_corpus, token_windows
 from vllm_adaptive.bench.env import cpu_info, versions
+from vllm_adaptive.bench.labels import config_label
 from vllm_adaptive.bench.metrics import (
     ForcedStream,
     free_running_agreement,
     greedy_agreement,
     perplexity,
 )
-from vllm_adaptive.bench.report import config_label, ppl_change_text
+from vllm_adaptive.bench.report import ppl_change_text
 from vllm_adaptive.config import load_config_arg, parse_adaptive_config
+from vllm_adaptive.corpora import CorpusFile, read_corpus, token_windows
 from vllm_adaptive.flops import BYTES_PER_PARAM, DenseShape
 from vllm_adaptive.metal_backend.support import check_supported
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from vllm_adaptive.artifacts import ProfileError
 from vllm_adaptive.bench.metrics import ForcedStream
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, parse_adaptive_config
-from vllm_adaptive.depth.profile import ProfileError
 from vllm_adaptive.metal_backend.arch import LlamaLayout, UnsupportedArchitecture
 from vllm_adaptive.metal_backend.depth import DepthRunner
 from vllm_adaptive.metal_backend.gear_control import GearController

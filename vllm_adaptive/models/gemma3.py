@@ -31,8 +31,8 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.models.llama import check_engine_compatible
+from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
 from vllm_adaptive.precision.controller import PrecisionController
-from vllm_adaptive.precision.install import calibrate_from_prefill, install_precision
 
 _DEPTH_REASON = (
     "adaptive.depth: the depth runtime supports Llama's layer layout only; Gemma 3 "

@@ -1,10 +1,11 @@
 """Adaptive Llama: vLLM's Llama with the layer loop owned by the plugin.
 
-The decoder layers, attention, weights and loading are vLLM's own (inherited,
-not copied). What this class adds is the place where adaptive mechanisms
-decide which tokens run which layers: `AdaptiveLlamaModel.run_layers`. With
-every mechanism off it runs every layer for every token, and the output is
-token-for-token stock vLLM's (tests/test_identity.py).
+The decoder layers, attention, weights and loading are vLLM's own (inherited, not copied).
+`AdaptiveLlamaModel.forward` hands the decoder stack to the depth runtime (`depth/runtime.py`,
+which decides which tokens run which layers) when adaptive depth is on and the step is one it
+can plan; otherwise `run_layers` runs every layer for every token. `AdaptiveLlamaForCausalLM`
+adds the precision gears and the self-speculative draft at `load_weights`. With every mechanism
+off the output is token-for-token stock vLLM's (tests/engine/test_identity.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.runtime import DepthRuntime
+from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
 from vllm_adaptive.precision.controller import PrecisionController
-from vllm_adaptive.precision.install import calibrate_from_prefill, install_precision
 
 
 def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -> None:
@@ -78,7 +79,7 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
 
 
 class AdaptiveLlamaModel(LlamaModel):
-    """LlamaModel whose forward delegates the layer schedule to `run_layers`."""
+    """LlamaModel whose decoder stack runs through the depth runtime when one is attached."""
 
     def forward(
         self,
@@ -115,7 +116,8 @@ class AdaptiveLlamaModel(LlamaModel):
         residual: torch.Tensor | None,
         **extra_layer_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The depth schedule: with every mechanism off, all layers for all tokens."""
+        """Every layer for every token: the path with depth off, and the fallback for steps the
+        depth runtime does not plan (dummy, profiling and padded steps, later pipeline stages)."""
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
         return hidden, residual
@@ -134,9 +136,9 @@ def load_depth_runtime(
     unembed: torch.Tensor | None = None,
 ) -> DepthRuntime:
     """Load and check the profile, then build the runtime; errors name the config key."""
+    from vllm_adaptive.artifacts import ProfileError
     from vllm_adaptive.depth.exit_profile import ExitProfile
     from vllm_adaptive.depth.peeling import SUPPORTED_BACKENDS
-    from vllm_adaptive.depth.profile import ProfileError
 
     try:
         profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)
@@ -193,9 +195,9 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
         if adaptive.active_depth is not None and adaptive.active_depth.kv_strategy == "mask":
-            from vllm_adaptive.attention.masked_backend import register_masked_backend
+            from vllm_adaptive import vllm_patches
 
-            register_masked_backend()  # before the attention layers pick their backend
+            vllm_patches.apply("masked-attention-backend")  # before the layers pick a backend
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.adaptive_config = adaptive
         self.precision: PrecisionController | None = None

@@ -137,9 +137,9 @@ class PrecisionController:
         return self._tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
     def _new_slot(self, params, prompt_ids: list[int] | None) -> Slot:
-        from vllm_adaptive.request_overrides import parse_request_overrides
+        from vllm_adaptive.overrides import parse_overrides
 
-        overrides = parse_request_overrides(params.extra_args if params else None)
+        overrides = parse_overrides(params.extra_args if params else None)
         self.requests_seen += 1
         tag = overrides.request_tag or f"req{self.requests_seen}"
         pinned = None

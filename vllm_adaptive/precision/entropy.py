@@ -19,8 +19,3 @@ def entropy_bits(logits: torch.Tensor) -> torch.Tensor:
     z = torch.nan_to_num(logits.float(), nan=0.0, posinf=1e4, neginf=-1e4)
     logp = torch.log_softmax(z, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1) / LN2
-
-
-def max_entropy_bits(vocab_size: int) -> float:
-    """``log2 V``: the entropy of the uniform distribution."""
-    return math.log2(vocab_size)

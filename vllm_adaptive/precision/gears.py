@@ -23,7 +23,6 @@ PRECISIONS: tuple[str, ...] = ("int2", "int4", "w8a8", "int8", "fp16", "full")  
 BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2}  # packed integer weights
 FLOAT_ACTIVATION_PRECISIONS = ("fp16", "w8a8")  # kernels in kernels/float_linear.py
 
-LEVELS = 3
 LOW, MID, HIGH = 0, 1, 2
 LEVEL_NAMES = ("low", "mid", "high")
 

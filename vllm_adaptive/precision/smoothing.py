@@ -9,7 +9,8 @@ two ranges. ``max|X_j|`` comes from calibration text: :func:`calibrate_smoothing
 per-channel absolute maximum of the input of every managed linear, keyed by vLLM's fused module
 names (``layers.{i}.qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``, and ``lm_head``).
 The engine turns them into factors at load time with the configured ``alpha``
-(:func:`load_smoothing`), so one calibration serves every alpha.
+(:func:`load_smoothing`, then ``factors_for`` in ``models/precision.py``), so one calibration
+serves every alpha.
 
 Written as a profile (``profile.json`` + ``tensors.safetensors``, the model's fingerprint
 inside): ``vllm-adaptive calibrate --smoothing --model DIR --corpus FILE... --out DIR``.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_adaptive.depth.profile import Profile, ProfileError, load_profile, save_profile
+from vllm_adaptive.artifacts import Profile, ProfileError, load_profile, save_profile
 
 KIND = "smoothing"
 #: HF Llama module (input observed) -> vLLM fused module it feeds
@@ -72,12 +73,14 @@ def calibrate_smoothing(
     progress: bool = True,
 ) -> Path:
     """Measure activation maxima on the calibration part of ``corpora``; write the profile."""
-    from vllm_adaptive.bench.corpus import read_corpus
-    from vllm_adaptive.depth.collect import load_model, token_windows_with_next
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_adaptive.corpora import read_corpus, token_windows_with_next
 
     t0 = time.perf_counter()
     files = [read_corpus(c) for c in corpora]
-    model, tok, _ = load_model(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     windows, _ = token_windows_with_next(
         tok, [f.calibration_text for f in files], window, max(1, tokens // window)
     )
@@ -103,22 +106,3 @@ def load_smoothing(profile_dir: str | Path, model_dir: str | Path) -> dict[str, 
             "smoothing profile (make one with `vllm-adaptive calibrate --smoothing`)"
         )
     return prof.tensors
-
-
-def factors_for(
-    act_absmax: dict[str, torch.Tensor], name: str, weight: torch.Tensor, alpha: float
-) -> torch.Tensor:
-    """Smoothing factors of the linear ``name`` (vLLM's fused name: ``layers.3.self_attn.o_proj``
-    or ``lm_head``)."""
-    from vllm_adaptive.kernels.float_linear import smoothing_factors
-
-    key = name.replace("self_attn.", "").replace("mlp.", "")
-    if key not in act_absmax:
-        raise ProfileError(f"smoothing profile has no statistics for {key}")
-    a = act_absmax[key]
-    if a.shape[0] != weight.shape[1]:
-        raise ProfileError(
-            f"smoothing statistics of {key} have {a.shape[0]} channels, "
-            f"the weight has {weight.shape[1]}"
-        )
-    return smoothing_factors(a, weight, alpha)

@@ -35,7 +35,7 @@ from vllm_adaptive.speculative.draft_step import (
     compiled_draft_pass,
     engine_compiles,
 )
-from vllm_adaptive.speculative.requests import DraftingRequests, find_model_runner
+from vllm_adaptive.speculative.requests import DraftingRequests
 
 logger = logging.getLogger("vllm.adaptive.speculative")
 
@@ -62,9 +62,12 @@ class SelfSpeculativeProposer:
         self.step: SharedKVDraftStep | None = None
         self.requests: DraftingRequests | None = None
         self.stats = {"steps": 0, "rows": 0, "draft_tokens": 0, "positions": 0, "seconds": 0.0}
-        from vllm_adaptive.speculative import cpu_sampling_fix
+        from vllm_adaptive import vllm_patches
 
-        cpu_sampling_fix.install()  # random sampling with drafts is wrong on CPU without it
+        # random sampling with drafts is wrong on CPU without it (vllm_patches.expand_kernel)
+        vllm_patches.apply("cpu-expand-kernel")
+        # the runner that builds this proposer hands itself over once it has loaded the model
+        vllm_patches.apply("drafter-runner")
         if self.settings is None:
             logger.info("vllm-adaptive speculative: adaptive.mode is off, no drafts are proposed")
 
@@ -88,9 +91,6 @@ class SelfSpeculativeProposer:
         self.step = SharedKVDraftStep(model, self.vllm_config)
         self.step.check_backend()
         model.register_forward_pre_hook(lambda _module, _args: self.step.capture())
-        # per-request adaptive_mode "off": the runner calling us knows which request is in
-        # which batch row (the custom_class interface passes rows only)
-        self.requests = DraftingRequests(find_model_runner())
         info = describe(self.draft)
         logger.info(
             "vllm-adaptive speculative: draft %s, k=%d, %.1f MB of draft weights, %s pass",
@@ -99,6 +99,15 @@ class SelfSpeculativeProposer:
             info["resident_bytes"] / 1e6,
             "compiled" if engine_compiles(self.vllm_config) else "eager",
         )
+
+    def attach_runner(self, runner: Any) -> None:
+        """Called by vLLM's model runner once it has loaded the model and this proposer (entry
+        ``drafter-runner`` of :mod:`vllm_adaptive.vllm_patches`): per-request
+        ``adaptive_mode: "off"`` needs to know which request is in which batch row, which the
+        ``custom_class`` interface does not pass."""
+        if self.settings is None:
+            return
+        self.requests = DraftingRequests(runner)
 
     @torch.inference_mode()
     def propose(
@@ -112,8 +121,13 @@ class SelfSpeculativeProposer:
         """Up to ``k`` greedy draft tokens for each request that sampled this step (requests
         sent with ``adaptive_mode: "off"`` excepted)."""
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self.draft_pass is None or self.step is None or self.requests is None:
+        if self.draft_pass is None or self.step is None:
             return drafts
+        if self.requests is None:
+            raise RuntimeError(
+                "vllm-adaptive speculative: the model runner never attached itself to the "
+                "proposer (vllm_patches entry drafter-runner); this vLLM is not supported"
+            )
         on = self.requests.drafting(len(sampled_token_ids))
         sampled = [s if d else [] for s, d in zip(sampled_token_ids, on, strict=True)]
         batch = self.step.plan(sampled, num_tokens_no_spec, self.k)

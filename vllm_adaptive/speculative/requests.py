@@ -6,9 +6,10 @@ is the compute spent on it, which is what "off" asks for.
 vLLM's ``custom_class`` interface hands the proposer rows of the persistent batch, not requests,
 and with speculative decoding on vLLM builds no plugin logits processors in the worker, so the
 batch mirror that gears and depth budgets use (`vllm_adaptive.batch_mirror`) receives nothing
-here. The one object that knows which request is in which row is the model runner, and the
-runner is the caller of the proposer's ``load_model``: `find_model_runner` takes it from there,
-and `DraftingRequests` reads its persistent batch (``input_batch.req_ids``) and request states
+here. The one object that knows which request is in which row is the model runner; it hands
+itself to the proposer after loading the model (``SelfSpeculativeProposer.attach_runner``, entry
+``drafter-runner`` of :mod:`vllm_adaptive.vllm_patches`), and `DraftingRequests` reads its
+persistent batch (``input_batch.req_ids``) and request states
 (``requests[req_id].sampling_params``). Checked against vLLM 0.32's CPU and GPU runners; a
 runner without those attributes is refused at load time rather than ignored.
 """
@@ -16,26 +17,14 @@ runner without those attributes is refused at load time rather than ignored.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
-from vllm_adaptive.request_overrides import parse_request_overrides
+from vllm_adaptive.overrides import parse_overrides
 
 logger = logging.getLogger("vllm.adaptive.speculative")
 
 #: Forget cached per-request decisions once this many are held (finished requests).
 _CACHE_LIMIT = 4096
-
-
-def find_model_runner(depth: int = 2) -> Any:
-    """The model runner that called ``load_model`` (``depth`` frames up), or None."""
-    frame = sys._getframe(depth)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if _is_runner(candidate):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 def _is_runner(obj: Any) -> bool:
@@ -53,8 +42,8 @@ class DraftingRequests:
     def __init__(self, runner: Any) -> None:
         if not _is_runner(runner):
             raise RuntimeError(
-                "vllm-adaptive speculative: cannot find vLLM's model runner (input_batch, "
-                "requests) from the proposer's load_model; this vLLM version is not supported"
+                "vllm-adaptive speculative: vLLM's model runner has no persistent batch "
+                "(input_batch, requests); this vLLM version is not supported"
             )
         self.runner = runner
         self._on: dict[str, bool] = {}
@@ -65,7 +54,7 @@ class DraftingRequests:
             state = self.runner.requests.get(req_id)
             params = getattr(state, "sampling_params", None)
             extra = getattr(params, "extra_args", None)
-            overrides = parse_request_overrides(extra)
+            overrides = parse_overrides(extra)
             on = overrides.mode != "off"
             for name in ("gear", "depth_budget"):
                 if getattr(overrides, name) is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_adaptive.artifacts import ProfileError
 from vllm_adaptive.config import SignalConfig
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.policies.arla import ArlaExitSignal
@@ -23,7 +24,6 @@ from vllm_adaptive.depth.policies.emad import EmadExitSignal
 from vllm_adaptive.depth.policies.probe import ExitSignal
 from vllm_adaptive.depth.policies.quicksilver import QuickSilverExitSignal
 from vllm_adaptive.depth.policies.river import RiverExitSignal
-from vllm_adaptive.depth.profile import ProfileError
 from vllm_adaptive.depth.readout import entropy_nats
 from vllm_adaptive.m2r2.adapters import AdapterError, M2R2Adapters
 

@@ -23,8 +23,8 @@ garbage since vLLM's op reads the tail of the last block), plus the torch implem
 ``--masked`` of the cached slots masked; median of ``--repeats`` wall-clock runs, one thread
 unless ``--threads``. Cells with ``batch * context > --max-tokens`` are skipped.
 
-    .venv/bin/python tools/bench_masked_attention.py --out docs/data/masked-attention-h100.json
-    .venv/bin/python tools/bench_masked_attention.py --device cpu --contexts 512,2048,8192 \\
+    vllm-adaptive kernels bench-attention --out docs/data/masked-attention-h100.json
+    vllm-adaptive kernels bench-attention --device cpu --contexts 512,2048,8192 \\
         --out docs/data/masked-attention-cpu.json
 
 Writes JSON (``--out``: device, versions, every cell) and prints a markdown table.
@@ -43,10 +43,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from vllm_adaptive.kernels.masked_paged_attention import (  # noqa: E402
+from vllm_adaptive.kernels.masked_paged_attention import (
     masked_paged_attention,
     split_cpu_kv_cache,
     stock_cpu_attention,
@@ -59,7 +56,9 @@ NUM_LAYERS = 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="vllm-adaptive kernels bench-attention", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--shapes", default="9x3x64,32x8x128")
     p.add_argument("--contexts", default="512,1024,2048,4096,8192")
@@ -284,7 +283,3 @@ def main(argv=None) -> int:
         print(f"{len(bad)} cells failed the check", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ format) for SmolLM2-135M's linear shapes at 1 and 8 tokens, in float32 and bfloa
 head. This is why the MLX bench runs float32 on a CPU: MLX's CPU quantized kernels are on par with
 its dense float32 GEMV but many times slower than everything else with bfloat16 activations.
 
-    python tools/mlx_matmul_cost.py --json docs/data/mlx-cpu-matmul.json
+    python docs/experiments/mlx_matmul_cost.py --json docs/data/mlx-cpu-matmul.json
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ versions, every cell (median / p20 / p80 ms, errors, bytes, GB/s, the launch con
 markdown table. ``--sweep`` also times a few alternative block configurations per cell and
 records the best.
 
-    .venv/bin/python tools/bench_triton_kernels.py --out docs/data/triton-kernels-h100.json
-    .venv/bin/python tools/bench_triton_kernels.py --shapes 4096x4096 --tokens 1 --out /tmp/t.json
+    vllm-adaptive kernels bench-triton --out docs/data/triton-kernels-h100.json
+    vllm-adaptive kernels bench-triton --shapes 4096x4096 --tokens 1 --out /tmp/t.json
 
 Needs a CUDA GPU and triton; exits with status 2 otherwise.
 """
@@ -41,12 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from vllm_adaptive.kernels.matryoshka import matryoshka_quantize  # noqa: E402
-from vllm_adaptive.kernels.packed import dequantize, quantize  # noqa: E402
-from vllm_adaptive.kernels.planes import to_planes  # noqa: E402
+from vllm_adaptive.kernels.matryoshka import matryoshka_quantize
+from vllm_adaptive.kernels.packed import dequantize, quantize
+from vllm_adaptive.kernels.planes import to_planes
 
 DEFAULT_MODEL_SHAPES = "576x576,576x192,576x1536,1536x576"
 LLAMA7B_SHAPES = "4096x4096,4096x11008,11008x4096"
@@ -56,7 +53,7 @@ DEFAULT_FORMATS = (
     "int8-g32,int8-row,int4-g32,int4-row,int2-g32,int2-row,planes8-g32,planes4-g32,planes2-g32"
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# max |y - ref| / max |ref|, as in tests/test_triton_kernels.py
+# max |y - ref| / max |ref|, as in tests/unit/test_triton_kernels.py
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -139,8 +136,10 @@ def bench(fn, warmup: int, rep: int, device: torch.device) -> dict:
     return {"median_ms": q[0], "p20_ms": q[1], "p80_ms": q[2]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="vllm-adaptive kernels bench-triton", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of KxN")
     ap.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma list of M")
@@ -157,24 +156,25 @@ def main() -> int:
         choices=("cuda", "cpu"),
         help="cpu: a smoke run of this tool under TRITON_INTERPRET=1 (timings meaningless)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.device == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            print("bench_triton_kernels: --device cpu needs TRITON_INTERPRET=1", file=sys.stderr)
+            print("kernels bench-triton: --device cpu needs TRITON_INTERPRET=1", file=sys.stderr)
             return 2
     elif not torch.cuda.is_available():
         print(
-            "bench_triton_kernels: no CUDA device (torch.cuda.is_available() is False). This "
+            "kernels bench-triton: no CUDA device (torch.cuda.is_available() is False). This "
             "tool times the Triton kernels on a GPU; run it on a CUDA machine. The kernels' "
-            "correctness on CPU is covered by tests/test_triton_kernels.py (Triton interpreter).",
+            "correctness on CPU is covered by tests/unit/test_triton_kernels.py (Triton "
+            "interpreter).",
             file=sys.stderr,
         )
         return 2
     from vllm_adaptive.kernels import triton_packed as tp
 
     if not tp.TRITON_AVAILABLE:
-        print("bench_triton_kernels: triton is not installed", file=sys.stderr)
+        print("kernels bench-triton: triton is not installed", file=sys.stderr)
         return 2
     import triton
 
@@ -194,7 +194,7 @@ def main() -> int:
     else:
         device_info = {"device": "cpu (Triton interpreter smoke run; timings meaningless)"}
     result = {
-        "tool": "tools/bench_triton_kernels.py",
+        "tool": "vllm-adaptive kernels bench-triton",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **device_info,
         "torch": torch.__version__,
@@ -327,7 +327,3 @@ def main() -> int:
         )
     print(f"\nwrote {args.out}; {failures} correctness failure(s)")
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

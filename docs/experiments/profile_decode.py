@@ -4,8 +4,9 @@ Runs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the pr
 model's ops, and prints the top operators by self CPU time. Used to explain the gap between the
 bandwidth ideal and measured gear speed-ups (docs/precision.md).
 
-    python tools/profile_decode.py MODEL_DIR '{"precision": {"policy": "fixed", "gear": "int8"}}'
-    python tools/profile_decode.py MODEL_DIR stock
+    python docs/experiments/profile_decode.py MODEL_DIR \
+        '{"precision": {"policy": "fixed", "gear": "int8"}}'
+    python docs/experiments/profile_decode.py MODEL_DIR stock
 """
 
 from __future__ import annotations

@@ -65,6 +65,24 @@ def token_windows(token_ids: list[int], length: int, count: int) -> list[list[in
     return [token_ids[i * stride * length : i * stride * length + length] for i in range(count)]
 
 
+def token_windows_with_next(
+    tok, texts: list[str], window: int, count: int
+) -> tuple[list[list[int]], list[int]]:
+    """`count` windows of `window` tokens spread evenly over the concatenated texts, and the
+    token that follows each window (-1 at the end of the text)."""
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tok(text, add_special_tokens=False)["input_ids"])
+    available = len(ids) // window
+    if available < 1:
+        raise ValueError(f"calibration text has {len(ids)} tokens: shorter than one window")
+    count = min(count, available)
+    stride = available // count
+    starts = [i * stride * window for i in range(count)]
+    nexts = [ids[s + window] if s + window < len(ids) else -1 for s in starts]
+    return [ids[s : s + window] for s in starts], nexts
+
+
 def default_code_corpus(out: str | Path, max_chars: int = 2_000_000) -> Path:
     """Concatenate the standard library's .py files (sorted, deterministic)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])

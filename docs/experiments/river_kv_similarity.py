@@ -22,12 +22,12 @@ Quantizers (``vllm_adaptive.kernels.packed``, as ``depth/exit_river.py`` uses th
 ``asym32`` is the model's own Q4_1 grid (asymmetric, groups of 32), so the river reproduces the
 backbone: a control (expect ~1.0); ``asym64`` is HQQ's default shape and ``sym32`` symmetric
 absmax, neither on the model's grid. The layer math and the quantized copies come from
-``tools/river_exit_path.py``.
+``river_exit_path.py`` (next to this file, imported from the script's directory).
 
 Command (about 100 s on 2 CPU cores shared with another job; the cost is ~155 river layers
 per quantizer and window, ~0.4 s per 256-token layer there, plus ~1 min of quantizing)::
 
-    .venv/bin/python tools/river_kv_similarity.py \
+    .venv/bin/python docs/experiments/river_kv_similarity.py \
         --corpus /tmp/corpora/code.txt --corpus /tmp/corpora/prose.txt \
         --windows 1 --window 96 --json docs/data/river-kv-similarity.json
 
@@ -46,15 +46,10 @@ import time
 from pathlib import Path
 
 import torch
+from river_exit_path import DEFAULT_MODEL, LINEARS, SCHEMES, river_weights
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS.parent))
-sys.path.insert(0, str(TOOLS))
-
-from river_exit_path import DEFAULT_MODEL, LINEARS, SCHEMES, river_weights  # noqa: E402
-
-from vllm_adaptive.bench.corpus import read_corpus  # noqa: E402
-from vllm_adaptive.depth.collect import load_model, token_windows_with_next  # noqa: E402
+from vllm_adaptive.corpora import read_corpus, token_windows_with_next
+from vllm_adaptive.depth.collect import load_model
 
 EXITS = (1, 2, 4, 8, 12, 16, 20, 24, 28)
 

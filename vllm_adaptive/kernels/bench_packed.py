@@ -11,8 +11,8 @@ layouts prepared beforehand, as in serving) plus the dense baselines:
 Each path is checked once against ``F.linear(x.float(), dequantize(packed))`` before timing.
 Writes a JSON of all timings (median, p10, p90, repetitions) and prints a markdown table.
 
-    .venv/bin/python tools/bench_packed_kernels.py                      # the full default grid
-    .venv/bin/python tools/bench_packed_kernels.py --shapes 576x1536 --tokens 1,16 --dtypes bf16
+    vllm-adaptive kernels bench-packed --json docs/data/packed-kernels-bench.json   # full grid
+    vllm-adaptive kernels bench-packed --shapes 576x1536 --tokens 1,16 --dtypes bf16
 
 Threads default to 1: vLLM runs torch with one thread per worker on the 2-core CI machines.
 """
@@ -34,11 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from vllm_adaptive.kernels.matmul import applicable_paths, family, matmul, prepare  # noqa: E402
-from vllm_adaptive.kernels.packed import PackedWeight, dequantize, quantize  # noqa: E402
+from vllm_adaptive.kernels.matmul import applicable_paths, family, matmul, prepare
+from vllm_adaptive.kernels.packed import PackedWeight, dequantize, quantize
 
 DEFAULT_SHAPES = "576x1536,1536x576,576x576,576x192,4096x4096,4096x11008"
 DEFAULT_TOKENS = "1,2,4,8,16,32"
@@ -111,7 +108,11 @@ def time_fn(fn, min_time: float, min_reps: int, max_reps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="vllm-adaptive kernels bench-packed",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="K x N list (inputs x outputs)")
     ap.add_argument("--tokens", default=DEFAULT_TOKENS)
     ap.add_argument("--dtypes", default="bf16,fp32", help="activation dtypes: bf16,fp32,fp16")
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "MiB, so weights come from DRAM as in a real forward pass (L3 here: 32 MiB). "
         "Default 0: one weight, cache-resident when it fits",
     )
-    ap.add_argument("--json", default=str(REPO / "docs" / "data" / "packed-kernels-bench.json"))
+    ap.add_argument("--json", default=None, help="write every timing here (JSON)")
     ap.add_argument("--markdown", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
 
@@ -296,10 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         progress(f"{k}x{n} t={t} {dname} {fname} {path}", r)
     meta["wall_s"] = time.perf_counter() - started
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
     md = markdown(meta, results)
     print(md)
     if args.markdown:
@@ -363,7 +365,3 @@ def markdown(meta: dict, results: list[dict]) -> str:
                     lines.append("| " + " | ".join(row) + " |")
             lines.append("")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -31,15 +31,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from vllm_adaptive.kernels.matryoshka import (  # noqa: E402
+from vllm_adaptive.kernels.matryoshka import (
     matryoshka_quantize,
     quantize_on_tier_grid,
     slice_codes,
 )
-from vllm_adaptive.kernels.packed import (  # noqa: E402
+from vllm_adaptive.kernels.packed import (
     coarse_grid_fraction,
     dequantize,
     dequantize_codes,
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default="row,32,64", help="576 = 9 x 64: g128 does not divide K")
     ap.add_argument("--limit", type=int, default=None, help="only the first N linear weights")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=str(REPO / "docs" / "data" / "matryoshka-quality.json"))
+    ap.add_argument("--json", default="docs/data/matryoshka-quality.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 

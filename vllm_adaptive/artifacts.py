@@ -1,4 +1,9 @@
-"""Calibration profile on disk: `tensors.safetensors` + `profile.json` (no pickle).
+"""The file format offline code writes and engines read: `tensors.safetensors` + `profile.json`.
+
+Depth profiles (`vllm-adaptive calibrate`) and W8A8 smoothing profiles (`calibrate
+--smoothing`) are written and checked here; M2R2 adapters (`m2r2/adapters.py`, their own
+`adapter.json`) check their base model with the same `model_fingerprint`. Offline code and the
+engine meet through this module. No pickle, no vLLM.
 
 The JSON holds every scalar and list (probe layers, rank, temperature, q, alpha, budget,
 thresholds, margins, figures) plus a model fingerprint and the sha256 of the tensor file.

@@ -34,13 +34,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from vllm_adaptive.bench.corpus import read_corpus  # noqa: E402
-from vllm_adaptive.depth.collect import load_model, token_windows_with_next  # noqa: E402
-from vllm_adaptive.depth.policies.river import state_transition_similarity  # noqa: E402
-from vllm_adaptive.kernels.packed import dequantize, quantize  # noqa: E402
+from vllm_adaptive.corpora import read_corpus, token_windows_with_next
+from vllm_adaptive.depth.collect import load_model
+from vllm_adaptive.depth.policies.river import state_transition_similarity
+from vllm_adaptive.kernels.packed import dequantize, quantize
 
 DEFAULT_MODEL = Path.home() / ".cache/vllm-adaptive/models/smollm2-135m-instruct"
 SCHEMES = {"asym64": (64, False), "sym32": (32, True), "asym32": (32, False)}

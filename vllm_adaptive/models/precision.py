@@ -1,4 +1,7 @@
-"""Wiring gears into a loaded vLLM Llama: build tiers, swap quant methods, make the controller."""
+"""Wiring gears into a loaded vLLM model: build tiers, swap quant methods, make the controller.
+
+Engine glue (it knows the model's module names and raises config errors), so it lives with the
+models; the gears themselves are `vllm_adaptive.precision`."""
 
 from __future__ import annotations
 
@@ -8,11 +11,15 @@ import time
 import numpy as np
 import torch
 
+from vllm_adaptive.artifacts import ProfileError
+from vllm_adaptive.config import AdaptiveConfigError
+from vllm_adaptive.kernels.float_linear import smoothing_factors
 from vllm_adaptive.kernels.packed import coarse_grid_fraction
 from vllm_adaptive.precision.controller import PrecisionController, register
 from vllm_adaptive.precision.entropy import entropy_bits
 from vllm_adaptive.precision.linear import GearedLinear, GearedLinearMethod
 from vllm_adaptive.precision.policies import build_policy
+from vllm_adaptive.precision.smoothing import load_smoothing
 from vllm_adaptive.precision.tiers import LinearTiers
 
 logger = logging.getLogger("vllm.adaptive.precision")
@@ -43,10 +50,6 @@ def managed_linears(model, modules) -> list[tuple[int, str, torch.nn.Module]]:
 def _smoothing_stats(cfg, model_dir: str | None) -> dict[str, torch.Tensor] | None:
     if cfg.smoothing is None:
         return None
-    from vllm_adaptive.config import AdaptiveConfigError
-    from vllm_adaptive.depth.profile import ProfileError
-    from vllm_adaptive.precision.smoothing import load_smoothing
-
     try:
         return load_smoothing(cfg.smoothing.profile, model_dir)
     except ProfileError as e:
@@ -59,8 +62,6 @@ def install_precision(
     """Quantize every managed linear (and the LM head) into its tiers and route it through the
     geared method; measure the float-activation kernels on this machine (``max_tokens``: the
     largest token count worth measuring)."""
-    from vllm_adaptive.config import AdaptiveConfigError
-
     dtype_name = str(model.lm_head.weight.dtype).removeprefix("torch.")
     try:
         cfg = cfg.for_dtype(dtype_name)
@@ -69,8 +70,6 @@ def install_precision(
     num_layers = model.config.num_hidden_layers
     for g in cfg.layer_groups:
         if g.layers[1] > num_layers:
-            from vllm_adaptive.config import AdaptiveConfigError
-
             raise AdaptiveConfigError(
                 f"adaptive.precision.layer_groups: layers {list(g.layers)} exceed the model's "
                 f"{num_layers} layers"
@@ -104,8 +103,6 @@ def install_precision(
             maps.append(level_map)
         smooth = None
         if stats is not None and "w8a8" in level_map:
-            from vllm_adaptive.precision.smoothing import factors_for
-
             smooth = factors_for(stats, name, linear.weight, alpha)
         tiers = LinearTiers.build(
             linear.weight, set(level_map), layout, cfg.group_size, cfg.symmetric, smooth
@@ -144,3 +141,20 @@ def calibrate_from_prefill(model, hidden: torch.Tensor, rows: tuple[int, int]) -
     idx = np.unique(np.linspace(start, end - 1, min(n, end - start)).round().astype(np.int64))
     logits = model.logits_processor(model.lm_head, hidden[torch.from_numpy(idx)])
     controller.calibrate(entropy_bits(logits).tolist())
+
+
+def factors_for(
+    act_absmax: dict[str, torch.Tensor], name: str, weight: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """Smoothing factors of the linear ``name`` (vLLM's fused name: ``layers.3.self_attn.o_proj``
+    or ``lm_head``)."""
+    key = name.replace("self_attn.", "").replace("mlp.", "")
+    if key not in act_absmax:
+        raise ProfileError(f"smoothing profile has no statistics for {key}")
+    a = act_absmax[key]
+    if a.shape[0] != weight.shape[1]:
+        raise ProfileError(
+            f"smoothing statistics of {key} have {a.shape[0]} channels, "
+            f"the weight has {weight.shape[1]}"
+        )
+    return smoothing_factors(a, weight, alpha)

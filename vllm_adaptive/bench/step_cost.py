@@ -11,7 +11,7 @@ emitted per step, vLLM's ``mean_acceptance_length``), k drafts and a draft cost 
 one-token steps per drafted token, the speed-up is ``L / (step(k+1)/step(1) + k * d)``, and
 the best any draft can do (``d = 0``, every draft accepted) is ``(k+1) / (step(k+1)/step(1))``.
 
-    .venv/bin/python tools/step_cost.py --model MODEL_DIR --dtype bfloat16 \
+    vllm-adaptive step-cost --model MODEL_DIR --dtype bfloat16 \
         --json docs/data/step-cost-bf16.json --plot docs/figures/step-cost.png
 
 About two minutes per dtype on 2 cores (one engine start, 9 batch sizes).
@@ -82,8 +82,8 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm-adaptive step-cost", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", action="append", choices=["bfloat16", "float32"])
     ap.add_argument("--max-tokens-per-step", type=int, default=9)
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--compiled", action="store_true", help="vLLM's default torch.compile")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     mode = "compiled" if args.compiled else "eager"
     results = {
         f"{dtype}, {mode}": measure(
@@ -119,7 +119,4 @@ def main() -> None:
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(results, args.plot)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,278 @@
+"""The package's import graph, read from source with `ast` (nothing is imported).
+
+Two rules (issue 16, item 4):
+
+1. No import cycles, between modules or between subpackages (``vllm_adaptive.depth``,
+   ``vllm_adaptive.m2r2``, ...; a top-level module is its own unit).
+2. Offline code (calibration, adapter training, corpora, model preparation, the artifact
+   format) imports no vLLM and nothing of ``vllm_adaptive.bench``, directly or through other
+   package modules. Offline code runs in transformers on machines without vLLM's engine and
+   shares nothing with the engine but ``vllm_adaptive.artifacts``.
+
+Every import counts, wherever it is written (module level or inside a function); only imports
+under ``if TYPE_CHECKING:`` are left out, since they never run. Importing a module also runs
+its parent packages' ``__init__``, so those count for rule 2.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE = "vllm_adaptive"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+#: Offline modules. A new calibration or training module belongs here.
+OFFLINE = (
+    # the file format shared with the engine, and the text it is calibrated on
+    "vllm_adaptive.artifacts",
+    "vllm_adaptive.corpora",
+    # model preparation
+    "vllm_adaptive.model_zoo",
+    "vllm_adaptive.w8a8_checkpoint",
+    # adaptive-depth calibration
+    "vllm_adaptive.depth.args",
+    "vllm_adaptive.depth.budget",
+    "vllm_adaptive.depth.calibrate",
+    "vllm_adaptive.depth.calibrate_quicksilver",
+    "vllm_adaptive.depth.calibrate_river",
+    "vllm_adaptive.depth.collect",
+    "vllm_adaptive.depth.isotonic",
+    "vllm_adaptive.depth.norms",
+    "vllm_adaptive.depth.proxies",
+    "vllm_adaptive.depth.readout",
+    "vllm_adaptive.depth.signal_arrays",
+    "vllm_adaptive.depth.targets",
+    # adapter training
+    "vllm_adaptive.m2r2.args",
+    "vllm_adaptive.m2r2.train",
+    # W8A8 smoothing calibration
+    "vllm_adaptive.precision.smoothing",
+    # the logit-lens oracle (transformers only)
+    "vllm_adaptive.oracle",
+)
+FORBIDDEN_OFFLINE = ("vllm", "vllm_adaptive.bench")
+
+
+@dataclass
+class ImportGraph:
+    modules: dict[str, Path]
+    #: module -> {imported package module: line of the first such import}
+    internal: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: module -> {imported outside module (full dotted name): line}
+    external: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, except those under ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                stack.extend(child.orelse)
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                yield child
+            stack.append(child)
+
+
+def build_graph(root: Path = ROOT) -> ImportGraph:
+    package = root.name
+    modules = {_module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph = ImportGraph(modules)
+
+    def owner(name: str) -> str:
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    for mod, path in modules.items():
+        internal = graph.internal.setdefault(mod, {})
+        external = graph.external.setdefault(mod, {})
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+
+        def add(name: str, line: int, mod: str = mod, internal=internal, external=external):
+            if name == package or name.startswith(package + "."):
+                target = owner(name)
+                if target != mod:
+                    internal.setdefault(target, line)
+            else:
+                external.setdefault(name, line)
+
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name, node.lineno)
+                continue
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            # `from pkg import submodule` imports the submodule; other names come from pkg
+            for alias in node.names:
+                sub = f"{name}.{alias.name}"
+                add(sub if sub in modules else name, node.lineno)
+    return graph
+
+
+def unit(module: str) -> str:
+    """The subpackage (or top-level module) a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def find_cycle(edges: dict[str, Iterable[str]]) -> list[str] | None:
+    """One cycle of the directed graph as [a, b, ..., a], or None."""
+    color: dict[str, int] = {}  # 1: on the stack, 2: done
+    for start in sorted(edges):
+        if start in color:
+            continue
+        path = [start]
+        iters = [iter(sorted(edges.get(start, ())))]
+        color[start] = 1
+        while iters:
+            nxt = next(iters[-1], None)
+            if nxt is None:
+                color[path.pop()] = 2
+                iters.pop()
+            elif color.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            elif nxt not in color:
+                color[nxt] = 1
+                path.append(nxt)
+                iters.append(iter(sorted(edges.get(nxt, ()))))
+    return None
+
+
+def _describe(cycle: list[str], graph: ImportGraph, by_unit: bool) -> str:
+    steps = []
+    for a, b in zip(cycle, cycle[1:], strict=False):
+        if by_unit:
+            where = next(
+                f"{m}:{line} imports {t}"
+                for m, ts in sorted(graph.internal.items())
+                if unit(m) == a
+                for t, line in sorted(ts.items())
+                if unit(t) == b
+            )
+        else:
+            where = f"{a}:{graph.internal[a][b]} imports {b}"
+        steps.append(where)
+    return " -> ".join(cycle) + "\n  " + "\n  ".join(steps)
+
+
+def offline_violations(graph: ImportGraph, module: str) -> list[str]:
+    """Import chains from ``module`` to something offline code must not import."""
+    seen: dict[str, list[str]] = {}
+    todo = [(module, [module])]
+    while todo:
+        mod, chain = todo.pop()
+        if mod in seen:
+            continue
+        seen[mod] = chain
+        parents = [".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)]
+        for target in [*graph.internal.get(mod, {}), *parents]:
+            todo.append((target, [*chain, target]))
+    out = []
+    for mod, chain in sorted(seen.items()):
+        hits = [mod] if mod.startswith(FORBIDDEN_OFFLINE[1]) else []
+        hits += [
+            f"{name} (line {line})"
+            for name, line in graph.external.get(mod, {}).items()
+            if name == "vllm" or name.startswith("vllm.")
+        ]
+        for hit in hits:
+            out.append(" -> ".join([*chain[:-1], f"{chain[-1]}: {hit}"]))
+    return out
+
+
+GRAPH = build_graph()
+
+
+def test_no_module_cycles():
+    cycle = find_cycle(GRAPH.internal)
+    assert cycle is None, "import cycle between modules: " + _describe(cycle, GRAPH, False)
+
+
+def test_no_subpackage_cycles():
+    edges: dict[str, set[str]] = {}
+    for mod, targets in GRAPH.internal.items():
+        for target in targets:
+            if unit(mod) != unit(target):
+                edges.setdefault(unit(mod), set()).add(unit(target))
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle between subpackages: " + _describe(cycle, GRAPH, True)
+
+
+def test_offline_modules_exist():
+    missing = [m for m in OFFLINE if m not in GRAPH.modules]
+    assert not missing, f"OFFLINE names modules that are gone: {missing}"
+
+
+def test_offline_code_imports_no_vllm_and_no_bench():
+    bad = [v for m in OFFLINE for v in offline_violations(GRAPH, m)]
+    assert not bad, "offline code reaches vLLM or the bench:\n" + "\n".join(bad)
+
+
+# -- the checker itself, on a made-up package -------------------------------------------------
+
+
+def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_finds_lazy_and_relative_cycles(tmp_path):
+    root = _fake_package(
+        tmp_path,
+        {
+            "a/__init__.py": "",
+            "a/x.py": "def f():\n    from pkg.b import y\n",
+            "b/__init__.py": "",
+            "b/y.py": "from ..a import x\n",
+            "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a.x\n",
+        },
+    )
+    graph = build_graph(root)
+    assert graph.internal["pkg.a.x"] == {"pkg.b.y": 2}
+    assert graph.internal["pkg.b.y"] == {"pkg.a.x": 1}
+    assert graph.internal["pkg.c"] == {}  # TYPE_CHECKING only
+    assert find_cycle(graph.internal) in (
+        ["pkg.a.x", "pkg.b.y", "pkg.a.x"],
+        ["pkg.b.y", "pkg.a.x", "pkg.b.y"],
+    )
+
+
+def test_checker_follows_offline_chains_through_parents(tmp_path):
+    root = _fake_package(
+        tmp_path,
+        {
+            "off.py": "import pkg.mid\n",
+            "mid/__init__.py": "from vllm import LLM\n",
+            "mid/leaf.py": "",
+            "clean.py": "import pkg.mid.leaf as _\n",
+        },
+    )
+    graph = build_graph(root)
+    assert offline_violations(graph, "pkg.off") == ["pkg.off -> pkg.mid: vllm (line 1)"]
+    assert offline_violations(graph, "pkg.clean") == [
+        "pkg.clean -> pkg.mid.leaf -> pkg.mid: vllm (line 1)"
+    ]

@@ -1,0 +1,172 @@
+"""The registry of intrusions into vLLM (`vllm_adaptive/vllm_patches.py`): each entry applied
+once per process, version-checked, logged; nothing else in the package changes vLLM's objects
+or walks the call stack."""
+
+from __future__ import annotations
+
+import ast
+import logging
+from pathlib import Path
+
+import pytest
+
+from vllm_adaptive import vllm_patches
+from vllm_adaptive.vllm_patches import INTRUSIONS, Intrusion, apply, attach_drafter_after
+
+PACKAGE = Path(vllm_patches.__file__).resolve().parent
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A registry with one fake entry per kind and no history."""
+    calls: list[str] = []
+
+    def patch(name: str, result: bool = True, fail: bool = False):
+        def run() -> bool:
+            calls.append(name)
+            if fail:
+                raise RuntimeError(f"{name} broke")
+            return result
+
+        return run
+
+    entries = {
+        "skip": Intrusion("skip", "vllm.thing_a", "register", patch("skip")),
+        "needed": Intrusion(
+            "needed", "vllm.thing_b", "register", patch("needed"), other_versions="apply"
+        ),
+        "late": Intrusion("late", "vllm.thing_c", "model construction", patch("late")),
+        "noop": Intrusion("noop", "vllm.thing_d", "register", patch("noop", result=False)),
+        "broken": Intrusion("broken", "vllm.thing_e", "register", patch("broken", fail=True)),
+        "broken-required": Intrusion(
+            "broken-required", "vllm.thing_f", "late", patch("br", fail=True), required=True
+        ),
+    }
+    monkeypatch.setattr(vllm_patches, "INTRUSIONS", entries)
+    monkeypatch.setattr(vllm_patches, "_outcomes", {})
+    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: "0.32.0")
+    return calls
+
+
+def test_applied_once_and_logged(fresh, caplog):
+    with caplog.at_level(logging.DEBUG, logger="vllm.adaptive.patches"):
+        assert apply("skip") is True
+        assert apply("skip") is False  # second time: a no-op that says so
+    assert fresh == ["skip"]
+    assert "skip: replaced vllm.thing_a" in caplog.text
+    assert "skip already handled" in caplog.text
+
+
+def test_register_applies_only_its_entries(fresh):
+    applied = vllm_patches.apply_at_register()
+    assert "late" not in fresh and "broken-required" not in fresh
+    assert applied == ["skip", "needed"]  # noop changed nothing, broken failed (logged)
+    assert vllm_patches._outcomes["noop"] == "unchanged"
+    assert vllm_patches._outcomes["broken"] == "failed"
+    assert vllm_patches.apply_at_register() == applied
+
+
+def test_required_entry_failing_raises(fresh):
+    with pytest.raises(RuntimeError, match="br broke"):
+        apply("broken-required")
+    with pytest.raises(RuntimeError, match="br broke"):  # not remembered: tried again
+        apply("broken-required")
+
+
+def test_other_vllm_version(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: "0.99.1")
+    with caplog.at_level(logging.WARNING, logger="vllm.adaptive.patches"):
+        assert apply("skip") is False
+        assert apply("needed") is True
+    assert fresh == ["needed"]
+    assert "left vllm.thing_a as it is" in caplog.text
+    assert "replacing vllm.thing_b anyway" in caplog.text
+
+
+def test_registry_entries_are_complete():
+    assert set(INTRUSIONS) == {
+        "model-registry",
+        "admission-check",
+        "check-before-stream",
+        "xargs-booleans",
+        "masked-attention-backend",
+        "cpu-expand-kernel",
+        "drafter-runner",
+    }
+    for name, entry in INTRUSIONS.items():
+        assert entry.name == name and entry.replaces and entry.versions
+        assert entry.when in ("register", "model construction", "proposer construction")
+        assert name in (vllm_patches.__doc__ or ""), f"{name} is not described in the docstring"
+
+
+def test_drafter_runner_patches_both_runners_once(monkeypatch):
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setattr(CPUModelRunner, "load_model", CPUModelRunner.__dict__["load_model"])
+    monkeypatch.setattr(GPUModelRunner, "load_model", GPUModelRunner.__dict__["load_model"])
+    monkeypatch.setattr(vllm_patches, "_outcomes", {})
+    original = CPUModelRunner.__dict__["load_model"]
+    assert apply("drafter-runner") is True
+    patched = CPUModelRunner.__dict__["load_model"]
+    assert patched is not original and patched.__wrapped__ is original
+    assert vllm_patches._patched(GPUModelRunner.__dict__["load_model"])
+    monkeypatch.setattr(vllm_patches, "_outcomes", {})  # even without the registry's memory
+    assert apply("drafter-runner") is False  # the marks say it is done
+    assert CPUModelRunner.__dict__["load_model"] is patched
+
+
+def test_attach_after_load_only_for_drafters_that_ask():
+    class Drafter:
+        def attach_runner(self, runner):
+            self.runner = runner
+
+    class Runner:
+        def __init__(self, drafter):
+            self.drafter = drafter
+
+        @attach_drafter_after
+        def load_model(self, x, y=0):
+            return x + y
+
+    with_drafter = Runner(Drafter())
+    assert with_drafter.load_model(1, y=2) == 3
+    assert with_drafter.drafter.runner is with_drafter
+    assert Runner(object()).load_model(1) == 1  # vLLM's own drafters: untouched
+    assert Runner(None).load_model(1) == 1
+
+
+def _calls(tree: ast.AST) -> set[str]:
+    """Names called or attributes read (last dotted part), plus ``inspect.stack`` calls."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            out.add("inspect.stack" if func == "inspect.stack" else func.rsplit(".", 1)[-1])
+        if isinstance(node, ast.Attribute):
+            out.add(node.attr)
+    return out
+
+
+def test_no_intrusion_outside_the_registry_and_no_stack_walks():
+    """vLLM's registries are changed only from vllm_patches.py (the masked backend's own
+    register/unregister pair is what its entry calls); nothing inspects the call stack."""
+    registry_calls = {"register_model", "register_backend", "register_kernels"}
+    stack_walks = {"_getframe", "f_back", "f_locals", "currentframe", "inspect.stack"}
+    allowed = {
+        PACKAGE / "vllm_patches.py": registry_calls,
+        PACKAGE / "attention" / "masked_backend.py": {"register_backend"},
+    }
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        names = _calls(ast.parse(path.read_text()))
+        for name in sorted(names & ((registry_calls - allowed.get(path, set())) | stack_walks)):
+            found.append(f"{path.relative_to(PACKAGE.parent)}: {name}")
+    assert not found, found
+    direct = [
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("*.py")
+        if p.name not in ("vllm_patches.py", "masked_backend.py")
+        and "register_masked_backend" in _calls(ast.parse(p.read_text()))
+    ]
+    assert not direct, f"apply the masked backend through vllm_patches.apply: {direct}"
