@@ -411,6 +411,21 @@ class DepthConfig(_Strict):
 SELF_SPECULATIVE_PROPOSER = "vllm_adaptive.speculative.proposer.SelfSpeculativeProposer"
 
 
+class PromptLookupConfig(_Strict):
+    """Prompt lookup before the self-draft (a hybrid drafter): a request whose last ``min`` ..
+    ``max`` tokens occurred earlier in its own context takes the tokens that followed them
+    (vLLM's n-gram proposer); only the others run the draft model."""
+
+    min: int = Field(2, ge=1)
+    max: int = Field(5, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> PromptLookupConfig:
+        if self.min > self.max:
+            raise ValueError(f"prompt_lookup: min {self.min} > max {self.max}")
+        return self
+
+
 class SpeculativeConfig(_Strict):
     """Self-speculative decoding (docs/speculative.md): the target model drafts its own tokens
     and vLLM's rejection sampler verifies them with the full model, so output is unchanged.
@@ -437,6 +452,9 @@ class SpeculativeConfig(_Strict):
     """Precision of the draft's LM head; default the draft precision for "lowbit", else full."""
     adapter: str | None = None
     """"m2r2": directory written by ``vllm-adaptive train m2r2 --mode spec``."""
+    prompt_lookup: PromptLookupConfig | None = None
+    """Try prompt lookup first for each request (drafts from its own context); the draft
+    model runs only for requests without a match. Off by default."""
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:

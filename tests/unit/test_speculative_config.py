@@ -20,6 +20,10 @@ def test_defaults_per_draft() -> None:
     assert (early.layers, early.head_precision) == (8, "full")
     m = parse_adaptive_config({"speculative": {"draft": "m2r2", "adapter": "/x"}}).speculative
     assert m.adapter == "/x"
+    assert low.prompt_lookup is None  # the hybrid drafter is opt-in
+    hybrid = {"draft": "lowbit", "prompt_lookup": {}}
+    lookup = parse_adaptive_config({"speculative": hybrid}).speculative.prompt_lookup
+    assert (lookup.min, lookup.max) == (2, 5)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +37,8 @@ def test_defaults_per_draft() -> None:
         ({"draft": "early", "layers": 0}, "adaptive.speculative.layers"),
         ({"draft": "lowbit", "precision": "int2"}, "adaptive.speculative.precision"),
         ({"draft": "lowbit", "window": 3}, "adaptive.speculative.window: unknown key"),
+        ({"draft": "lowbit", "prompt_lookup": {"min": 4, "max": 2}}, "min 4 > max 2"),
+        ({"draft": "lowbit", "prompt_lookup": {"min": 0}}, "prompt_lookup.min"),
     ],
 )
 def test_bad_settings_name_their_key(spec: dict, fragment: str) -> None:

@@ -43,6 +43,21 @@ logger = logging.getLogger("vllm.adaptive.speculative")
 LOG_EVERY_STEPS = 256
 
 
+def prompt_lookup_proposer(vllm_config: Any, settings: SpeculativeConfig) -> Any:
+    """vLLM's own n-gram proposer, on a copy of the engine config that names its match
+    lengths (the engine's speculative method is ``custom_class``, which sets none)."""
+    import copy
+
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    lookup = settings.prompt_lookup
+    config = copy.copy(vllm_config)
+    config.speculative_config = copy.copy(vllm_config.speculative_config)
+    config.speculative_config.prompt_lookup_min = lookup.min
+    config.speculative_config.prompt_lookup_max = lookup.max
+    return NgramProposer(config)
+
+
 class SelfSpeculativeProposer:
     """Drafts from the target model itself; settings from ``adaptive.speculative``."""
 
@@ -61,7 +76,15 @@ class SelfSpeculativeProposer:
         self.draft_pass: DraftPass | None = None
         self.step: SharedKVDraftStep | None = None
         self.requests: DraftingRequests | None = None
-        self.stats = {"steps": 0, "rows": 0, "draft_tokens": 0, "positions": 0, "seconds": 0.0}
+        self.lookup: Any = None
+        self.stats = {
+            "steps": 0,
+            "rows": 0,
+            "draft_tokens": 0,
+            "positions": 0,
+            "seconds": 0.0,
+            "lookup_rows": 0,
+        }
         from vllm_adaptive import vllm_patches
 
         # random sampling with drafts is wrong on CPU without it (vllm_patches.expand_kernel)
@@ -88,6 +111,8 @@ class SelfSpeculativeProposer:
         self.model = model
         self.draft = draft
         self.draft_pass = compiled_draft_pass(draft.forward, engine_compiles(self.vllm_config))
+        if self.settings.prompt_lookup is not None:
+            self.lookup = prompt_lookup_proposer(self.vllm_config, self.settings)
         self.step = SharedKVDraftStep(model, self.vllm_config)
         self.step.check_backend()
         model.register_forward_pre_hook(lambda _module, _args: self.step.capture())
@@ -130,6 +155,13 @@ class SelfSpeculativeProposer:
             )
         on = self.requests.drafting(len(sampled_token_ids))
         sampled = [s if d else [] for s, d in zip(sampled_token_ids, on, strict=True)]
+        if self.lookup is not None:
+            looked = self.lookup.propose(self.k, sampled, num_tokens_no_spec, token_ids_cpu)
+            for r, tokens in enumerate(looked):
+                if tokens:  # a match in the request's own context: no draft model for it
+                    drafts[r] = tokens
+                    sampled[r] = []
+                    self.stats["lookup_rows"] += 1
         batch = self.step.plan(sampled, num_tokens_no_spec, self.k)
         if batch is None:
             return drafts
@@ -158,10 +190,12 @@ class SelfSpeculativeProposer:
             s = self.stats
             logger.info(
                 "vllm-adaptive speculative: %d steps, %d draft tokens for %d rows, %.1f ms per "
-                "draft position (one batched one-token pass of the draft)",
+                "draft position (one batched one-token pass of the draft), %d rows drafted by "
+                "prompt lookup",
                 s["steps"],
                 s["draft_tokens"],
                 s["rows"],
                 1e3 * s["seconds"] / max(s["positions"], 1),
+                s["lookup_rows"],
             )
         return drafts
