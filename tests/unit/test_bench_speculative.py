@@ -42,6 +42,10 @@ def test_specs_map_to_engine_settings() -> None:
     assert additional == {"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}
     assert speculative["method"] == "ngram"
     assert spec_label(ngram_fp16) == "ngram k=4, target fp16"
+    hybrid = parse_spec(
+        '{"draft": {"draft": "lowbit", "precision": "w8a8", "prompt_lookup": {}}, "k": 3}'
+    )
+    assert spec_label(hybrid) == "prompt lookup, else lowbit w8a8 k=3"
 
 
 @pytest.mark.parametrize(

@@ -74,13 +74,14 @@ def spec_label(spec: dict[str, Any]) -> str:
     if "method" in spec:
         return f"{spec['method']} k={spec['k']}{target}"
     d = spec["draft"]
+    lookup = "prompt lookup, else " if d.get("prompt_lookup") is not None else ""
     if d["draft"] == "lowbit":
         q = d.get("precision", "int4")
         if q == "int4":
             q += " sym" if d.get("symmetric") else " asym (on grid)"
-        return f"lowbit {q} k={spec['k']}{target}"
+        return f"{lookup}lowbit {q} k={spec['k']}{target}"
     depth = d.get("layers", "adapter" if d["draft"] == "m2r2" else 4)
-    return f"{d['draft']} {depth} layers k={spec['k']}{target}"
+    return f"{lookup}{d['draft']} {depth} layers k={spec['k']}{target}"
 
 
 def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -103,75 +104,106 @@ def _identical(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_adaptive.bench.harness import build_workload, engine_spec, run_engine
+    """Per corpus: stock and every spec engine alive together, timed in turn (ABBA) over
+    ``--rounds`` rounds, as the main bench does; ratios are medians of per-round ratios."""
+    from vllm_adaptive.bench.harness import (
+        EngineDef,
+        build_workload,
+        engine_spec,
+        merge_rounds,
+        speed_ratios,
+        timed_rounds_fresh,
+        timed_rounds_persistent,
+    )
+    from vllm_adaptive.bench.machine import env_info
 
     specs = [parse_spec(s) for s in args.spec]
     corpora = [read_corpus(p) for p in args.corpus]
     max_len = args.prompt_tokens + args.max_tokens + 16
-    results: dict[str, Any] = {"settings": vars(args) | {"func": None}, "corpora": {}}
+    results: dict[str, Any] = {
+        "settings": vars(args) | {"func": None, "order": "ABBA, engines alive together"},
+        "env": env_info(corpora),
+        "corpora": {},
+    }
     for corpus in corpora:
         workload = build_workload(args, [corpus])
+        name = Path(corpus.path).name
+        defs = [
+            EngineDef("stock vLLM (plugin not loaded)", str(args.model), {}, {"VLLM_PLUGINS": ""})
+        ]
+        engine_specs = [None]
+        for spec in specs:
+            additional, speculative = engine_settings(spec)
+            defs.append(EngineDef(spec_label(spec), str(args.model), additional, {}))
+            engine_specs.append(speculative)
 
-        def engine(additional: dict, speculative: dict | None, wl=workload) -> dict[str, Any]:
+        def spec_for(i: int, r: int, wl=workload, defs=defs, engine_specs=engine_specs) -> dict:
             return engine_spec(
                 args,
                 max_len,
-                additional,
-                speculative_config=speculative,
+                defs[i].additional,
+                speculative_config=engine_specs[i],
                 teacher_forcing=False,
-                greedy_outputs=True,
+                free_running_tokens=args.max_tokens if r == 0 else 0,
                 prompts=wl["prompts"],
                 streams=[],
             )
 
-        name = Path(corpus.path).name
-        _log(f"{name}: stock vLLM (plugin not loaded)")
-        stock = run_engine("stock", engine({}, None), {"VLLM_PLUGINS": ""})
+        _log(f"{name}: {len(defs)} engines, {args.rounds} rounds ({args.engines})")
+        if args.engines == "persistent":
+            records = timed_rounds_persistent(
+                defs, [spec_for(i, 0) for i in range(len(defs))], args
+            )
+        else:
+            records = timed_rounds_fresh(defs, spec_for, args)
+        merged = [merge_rounds(rs) for rs in records]
+        stock = merged[0]
         rows = []
-        for spec in specs:
-            label = spec_label(spec)
-            _log(f"{name}: {label}")
-            additional, speculative = engine_settings(spec)
-            raw = run_engine(label, engine(additional, speculative), {})
+        for spec, d, raw in zip(specs, defs[1:], merged[1:], strict=True):
             s = raw.get("speculation", {})
+            ratios = speed_ratios(raw, stock)
             rows.append(
                 {
-                    "label": label,
+                    "label": d.name,
                     "spec": spec,
                     "decode_tokens_per_s": raw["decode_tokens_per_s"],
-                    "speedup": {
-                        b: raw["decode_tokens_per_s"][b] / stock["decode_tokens_per_s"][b]
-                        for b in stock["decode_tokens_per_s"]
-                    },
+                    "speedup": ratios["speedup"],
+                    "speedup_spread": ratios["speedup_spread"],
+                    "cpu_speedup": ratios["cpu_speedup"],
                     "acceptance_rate": s.get("acceptance_rate"),
                     "mean_accepted_length": s.get("mean_accepted_length"),
                     "accepted_per_position": s.get("num_accepted_tokens_per_pos"),
                     "identical_to_stock": _identical(
-                        raw["greedy_outputs"], stock["greedy_outputs"]
+                        raw["free_running_outputs"], stock["free_running_outputs"]
                     ),
+                    "dispatch": raw.get("dispatch"),
                     "memory": raw.get("memory"),
                 }
             )
             r = rows[-1]
-            results["corpora"][name] = {
-                "stock_decode_tokens_per_s": stock["decode_tokens_per_s"],
-                "stock_memory": stock.get("memory"),
-                "runs": rows,
-            }
-            # written after every engine: a long matrix that is cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
             _log(
-                f"  {label}: "
+                f"  {d.name}: "
                 + ", ".join(f"b{b} x{v:.2f}" for b, v in r["speedup"].items())
                 + f", acceptance {r['acceptance_rate'] or 0:.3f}, mean accepted length "
                 f"{r['mean_accepted_length'] or 0:.2f}, identical {r['identical_to_stock']:.2f}"
             )
         results["corpora"][name] = {
             "stock_decode_tokens_per_s": stock["decode_tokens_per_s"],
+            "stock_decode_tokens_per_s_rounds": stock["decode_tokens_per_s_rounds"],
             "stock_memory": stock.get("memory"),
             "runs": rows,
         }
+        # written after every corpus: a long matrix that is cut short keeps what it measured
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return results
+
+
+def _ratio_cell(run: dict[str, Any], b: str) -> str:
+    """``median [min-max]`` over rounds (older single-timing results: the ratio alone)."""
+    sp = (run.get("speedup_spread") or {}).get(b)
+    if not sp or sp.get("n", 1) < 2:
+        return f"{run['speedup'][b]:.2f}"
+    return f"{run['speedup'][b]:.2f} [{sp['min']:.2f}-{sp['max']:.2f}]"
 
 
 def table_markdown(results: dict[str, Any]) -> str:
@@ -190,14 +222,13 @@ def table_markdown(results: dict[str, Any]) -> str:
         for r in c["runs"]:
             acc = r["acceptance_rate"]
             mal = r["mean_accepted_length"]
+            cells = " | ".join(_ratio_cell(r, b) for b in sizes)
             lines.append(
                 f"| {r['label']} | "
-                + " | ".join(f"{r['speedup'][b]:.2f}" for b in sizes)
+                + cells
                 + f" | {acc:.3f} | {mal:.2f} | {r['identical_to_stock']:.2f} |"
                 if acc is not None
-                else f"| {r['label']} | "
-                + " | ".join(f"{r['speedup'][b]:.2f}" for b in sizes)
-                + f" | - | - | {r['identical_to_stock']:.2f} |"
+                else f"| {r['label']} | " + cells + f" | - | - | {r['identical_to_stock']:.2f} |"
             )
         lines.append("")
     return "\n".join(lines)
