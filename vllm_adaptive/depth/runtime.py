@@ -47,21 +47,9 @@ from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.requests import DepthRequests
 from vllm_adaptive.depth.schedule import DepthSchedule
+from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
 
 logger = logging.getLogger("vllm.adaptive.depth")
-
-
-@dataclass
-class StepPlan:
-    cap: torch.Tensor  # [R] int64, deepest layer each row may run
-    floor: torch.Tensor  # [R] int64, shallowest probe a row may stop at
-    may_exit: torch.Tensor  # [R] bool, decode rows with the exit signal on
-    thresholds: torch.Tensor  # [R, P] float32
-    decode: np.ndarray  # [R] bool
-    samples: np.ndarray  # [R] bool: the row's last token is sampled (decode, last prefill chunk)
-    states: list | None
-    all_visible_below: int  # mask strategy: layers below see every cached slot
-    resume: list  # recompute strategy: (row, position, slot, depth) of tokens to resume
 
 
 @dataclass
@@ -307,13 +295,25 @@ class DepthRuntime:
             cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
         return cand
 
-    def _decide(self, p, count, j, rows, plan, h, res, prev, tok, first, input_ids, acc=None):
-        """Exit mask for candidate rows ``j`` (their tokens at ``first``) after ``count`` blocks;
+    def _decide(
+        self,
+        step: Step,
+        act: ActiveRows,
+        count: int,
+        j: torch.Tensor,
+        prev: torch.Tensor | None,
+        acc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Exit mask for the candidate rows ``j`` (of ``act``, decode rows: one token each)
+        after ``count`` blocks; ``prev``: the block's input stream when the signal needs it;
         ``acc``: their accelerated states when ``count`` is an ARLA gate."""
+        p = self.probe_index[count]
+        h, res = act.h, act.res
+        first = act.qsl[j].to(h.device)
         self.counters.probe_evals += int(j.numel())
         ids = None
-        if input_ids is not None and self.signal.needs_token_ids:
-            ids = input_ids[tok[first]]
+        if step.input_ids is not None and self.signal.needs_token_ids:
+            ids = step.input_ids[act.tok[first]]
         batch = ProbeBatch(
             layer=count,
             probe=p,
@@ -321,7 +321,7 @@ class DepthRuntime:
             prev_stream=None if prev is None else prev[first],
             token_ids=ids,
             readout=lambda x, p=p: self._readout(p, x),
-            thresholds=plan.thresholds[rows[j], p].to(h.device),
+            thresholds=step.plan.thresholds[act.rows[j], p].to(h.device),
             accelerated=acc,
         )
         return self.signal.exit_mask(batch).cpu()
@@ -329,7 +329,7 @@ class DepthRuntime:
     def _needs_prev(self, count: int) -> bool:
         return self.signal.needs_prev_stream and (count in self.probe_index)
 
-    def _accelerate(self, model, ctx, md, plan, rows, cur_qsl, h, res, pos, tok, block):
+    def _accelerate(self, step: Step, act: ActiveRows, block: int) -> AcceleratedStash | None:
         """Before block ``block`` runs: if it starts an ARLA gate interval, the accelerated
         stream of that interval for the active rows that are exit candidates at its gate."""
         accel = self.accelerated
@@ -338,21 +338,22 @@ class DepthRuntime:
         if interval is None:
             return None
         j_gate, start, gate = interval
-        cand = self._candidates(plan, rows, gate, self.probe_index[gate])
+        cand = self._candidates(step.plan, act.rows, gate, self.probe_index[gate])
         if not bool(cand.any()):
             return None
         j = torch.nonzero(cand).squeeze(1)
-        first = cur_qsl[j].to(h.device)  # decode rows: one token each
+        h, res = act.h, act.res
+        first = act.qsl[j].to(h.device)  # decode rows: one token each
         stream = h[first] if res is None else h[first] + res[first]
         stash = accel.run(
-            model.layers,
-            ctx,
-            md,
+            step.model.layers,
+            step.ctx,
+            step.md,
             self.sched_args,
             j_gate,
-            rows[j],
-            pos[first],
-            md.slot_mapping[tok[first]],
+            act.rows[j],
+            act.pos[first],
+            step.md.slot_mapping[act.tok[first]],
             stream,
         )
         self.counters.accelerated_rows += int(j.numel())
@@ -370,12 +371,14 @@ class DepthRuntime:
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
+        step = Step(model, md, plan, input_ids, ctx)
         stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
         for i, layer in enumerate(model.layers):
             count = i + 1
             if self.accelerated is not None and any_exit and rows.numel() > 0:
                 t0 = time.perf_counter()
-                got = self._accelerate(model, ctx, md, plan, rows, cur_qsl, h, res, pos, tok, i)
+                act = ActiveRows(rows, cur_qsl, tok, pos, h, res)
+                got = self._accelerate(step, act, i)
                 if got is not None or self.accelerated.interval_starting_at(i) is not None:
                     stash = got  # a new interval: the previous one's states are done
                 c.accelerated_seconds += time.perf_counter() - t0
@@ -392,13 +395,11 @@ class DepthRuntime:
             arla_js = arla_p = None
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
-                first = cur_qsl[j].to(h.device)  # decode rows: one token each
                 acc = None
                 if stash is not None and stash.gate == count:
                     acc = stash.states_for(rows[j])
-                passed = self._decide(
-                    p, count, j, rows, plan, h, res, prev, tok, first, input_ids, acc
-                )
+                act = ActiveRows(rows, cur_qsl, tok, pos, h, res)
+                passed = self._decide(step, act, count, j, prev, acc)
                 stop[j] |= passed
                 if acc is not None and bool(passed.any()):
                     arla_js, arla_p = j[passed], acc[passed.to(acc.device), -1]

@@ -12,6 +12,7 @@ import torch
 
 from vllm_adaptive.depth.exit_river import ExitRiver
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy
+from vllm_adaptive.depth.step import ActiveRows, Step
 
 logger = logging.getLogger("vllm.adaptive.depth")
 
@@ -93,6 +94,7 @@ class RiverStrategy(KvStrategy):
         h, res = hidden, None
         any_exit = bool(plan.may_exit.any())
         all_rows = torch.arange(num_reqs)
+        step = Step(model, md, plan, input_ids)
         for i, layer in enumerate(model.layers):
             count = i + 1
             prev = None
@@ -118,9 +120,8 @@ class RiverStrategy(KvStrategy):
             cand = runtime._candidates(plan, all_rows, count, p) & ~in_river
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
-                passed = runtime._decide(
-                    p, count, j, all_rows, plan, h, res, prev, tok, first[j], input_ids
-                )
+                act = ActiveRows(all_rows, qsl, tok, positions, h, res)
+                passed = runtime._decide(step, act, count, j, prev)
                 newly = j[passed]
                 in_river[newly] = True
                 river_tok[first[newly.to(dev)]] = True
