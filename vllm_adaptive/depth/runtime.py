@@ -45,7 +45,7 @@ from vllm_adaptive.depth.peeling import (
 from vllm_adaptive.depth.policies.build import build_exit_signal, load_arla_adapters
 from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
-from vllm_adaptive.depth.requests import DepthRequests
+from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests, exchange
 from vllm_adaptive.depth.schedule import DepthSchedule
 from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
 
@@ -99,9 +99,15 @@ class DepthRuntime:
             refresh_raise=refresh.raise_layers if refresh is not None else 0,
         )
         self.budget = config.budget if config.budget is not None else profile.budget
-        self.requests = DepthRequests(self, config.telemetry_path)
         self.kv = build_kv_strategy(config)
         self.signal_names = tuple(config.signal.policy)
+        self.requests = DepthRequests(
+            num_layers=self.num_layers,
+            thresholds=BudgetThresholds(profile, self.budget),
+            signal_names=self.signal_names,
+            telemetry_path=config.telemetry_path,
+        )
+        self._last_export = 0.0
         self.accelerated: AcceleratedStream | None = None
         adapters = None
         if "arla" in self.signal_names:
@@ -128,15 +134,13 @@ class DepthRuntime:
         self.store: ExitStateStore | None = None
         self.sched_args: CpuSchedulerArgs | None = None
         self.counters = EngineCounters()
-        self._thresholds_cache: dict[float, np.ndarray] = {}
         self._warned: set[str] = set()
 
-    # -- budgets -------------------------------------------------------------------------------
-    def thresholds(self, budget: float | None) -> np.ndarray:
-        b = self.budget if budget is None else budget
-        if b not in self._thresholds_cache:
-            self._thresholds_cache[b] = self.profile.thresholds_for(b)
-        return self._thresholds_cache[b]
+    # -- requests ------------------------------------------------------------------------------
+    def update_batch(self, batch_update: Any) -> None:
+        """The persistent batch's changes, requests admitted (``batch_mirror`` listener)."""
+        if self.requests.update_batch(batch_update):
+            self.export(force=True)  # a request finished: its engine totals go out now
 
     def warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
@@ -462,8 +466,20 @@ class DepthRuntime:
         for v in d.tolist():
             c.exit_tokens[v] = c.exit_tokens.get(v, 0) + 1
         self.requests.observe(plan, depth.tolist())
+        self.export()
 
     # -- telemetry -----------------------------------------------------------------------------
+    def export(self, force: bool = False) -> None:
+        """Engine counters for the frontend's Prometheus exporter, at most once a second."""
+        now = time.monotonic()
+        if force or now - self._last_export >= 1.0:
+            self._last_export = now
+            exchange("write_engine_stats", self.engine_stats())
+
+    def telemetry(self) -> dict[str, Any]:
+        finished, running = self.requests.records()
+        return {"engine": self.engine_stats(), "finished": finished, "running": running}
+
     def engine_stats(self) -> dict[str, Any]:
         c = self.counters
         return {

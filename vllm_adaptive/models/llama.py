@@ -214,7 +214,7 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
                 self.model, vllm_config, adaptive.active_depth, self.lm_head.weight
             )
             self.model.depth_runtime = self.depth
-            register_listener("depth", self.depth.requests)
+            register_listener("depth", self.depth)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
