@@ -3,20 +3,47 @@
 vLLM lays a step's tokens out in persistent-batch order, and the one hook it calls before
 every forward with the batch's changes is a logits processor's ``update_state``. Controllers
 that keep per-request state (precision gears, depth budgets) register here; the request
-validator forwards each ``BatchUpdate`` to them, and ``SlotMirror`` applies it so that slot
-``i`` is always the request whose tokens come ``i``-th in the step.
+validator forwards each ``BatchUpdate`` to `notify`, which parses every added request's
+``adaptive_*`` keys once (`admit`) and hands the listeners an `AdmittedUpdate` whose added
+entries carry the typed `RequestOverrides` instead of the raw sampling parameters.
+``SlotMirror`` applies it so that slot ``i`` is always the request whose tokens come ``i``-th
+in the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
+
+from vllm_adaptive.overrides import RequestOverrides, parse_overrides
 
 S = TypeVar("S")
 
 
+@dataclass(frozen=True)
+class AdmittedUpdate:
+    """vLLM's ``BatchUpdate`` with each added request's overrides parsed: ``added`` holds
+    ``(index, overrides, prompt_ids, output_ids)``; ``removed`` and ``moved`` are vLLM's."""
+
+    removed: Sequence[Any]
+    added: Sequence[tuple[int, RequestOverrides, list[int] | None, list[int] | None]]
+    moved: Sequence[Any]
+
+
+def admit(batch_update: Any) -> AdmittedUpdate | None:
+    """Parse the ``adaptive_*`` keys of every request ``batch_update`` adds, once."""
+    if not batch_update:
+        return None
+    added = [
+        (index, parse_overrides(params.extra_args if params is not None else None), prompt, out)
+        for index, params, prompt, out in batch_update.added
+    ]
+    return AdmittedUpdate(batch_update.removed, added, batch_update.moved)
+
+
 class BatchListener(Protocol):
-    def update_batch(self, batch_update: Any) -> None: ...
+    def update_batch(self, batch_update: AdmittedUpdate | None) -> Any: ...
 
 
 class SlotMirror(Generic[S]):
@@ -77,5 +104,9 @@ def listener(name: str) -> BatchListener | None:
 
 
 def notify(batch_update: Any) -> None:
+    """Hand the batch's changes, requests admitted (`admit`), to every listener."""
+    if not _LISTENERS:
+        return
+    admitted = admit(batch_update)
     for listener_ in list(_LISTENERS.values()):
-        listener_.update_batch(batch_update)
+        listener_.update_batch(admitted)

@@ -29,7 +29,7 @@ def gear_telemetry(model: Any) -> dict[str, Any] | None:
 def depth_telemetry(model: Any) -> dict[str, Any] | None:
     """Engine exit statistics and per-request depth records of an adaptive-depth engine."""
     runtime = getattr(model, "depth", None)
-    return runtime.requests.telemetry() if runtime is not None else None
+    return runtime.telemetry() if runtime is not None else None
 
 
 def worker_report(model: Any) -> dict[str, Any]:

@@ -140,16 +140,16 @@ def reset_nan_outputs(model: Any) -> None:
 def stop_publishing_mask(model: Any) -> None:
     """Negative control for the mask strategy: attention no longer learns which cached slots
     are masked, so it reads the poisoned ones."""
-    import vllm_adaptive.depth.runtime as runtime
+    import vllm_adaptive.depth.kv_strategies.base as base  # where the layer loop publishes it
 
-    runtime._saved_publish = runtime.publish_mask
-    runtime.publish_mask = lambda mask: runtime._saved_publish(None)
+    base._saved_publish = base.publish_mask
+    base.publish_mask = lambda mask: base._saved_publish(None)
 
 
 def restore_publishing_mask(model: Any) -> None:
-    import vllm_adaptive.depth.runtime as runtime
+    import vllm_adaptive.depth.kv_strategies.base as base
 
-    runtime.publish_mask = runtime._saved_publish
+    base.publish_mask = base._saved_publish
 
 
 def reset_audit_violations(model: Any) -> None:
@@ -170,23 +170,23 @@ def restore_prefill_cap(model: Any) -> None:
 
 def stop_propagating(model: Any) -> None:
     """Negative control for the propagate strategy: exited tokens' skipped layers get no K/V."""
-    import vllm_adaptive.depth.runtime as runtime
+    import vllm_adaptive.depth.kv_strategies.propagate as propagate
 
-    runtime._saved_propagate_kv = runtime.propagate_kv
-    runtime.propagate_kv = lambda *args, **kwargs: 0
+    propagate._saved_propagate_kv = propagate.propagate_kv
+    propagate.propagate_kv = lambda *args, **kwargs: 0
 
 
 def restore_propagating(model: Any) -> None:
-    import vllm_adaptive.depth.runtime as runtime
+    import vllm_adaptive.depth.kv_strategies.propagate as propagate
 
-    runtime.propagate_kv = runtime._saved_propagate_kv
+    propagate.propagate_kv = propagate._saved_propagate_kv
 
 
 def stop_resuming(model: Any) -> None:
     """Negative control for the recompute strategy: the previous token is never resumed
     through its skipped layers before the current one attends to it."""
-    model.depth._resume = lambda *args, **kwargs: None
+    model.depth.kv.before_layers = lambda *args, **kwargs: None  # the strategy's resume hook
 
 
 def restore_resuming(model: Any) -> None:
-    del model.depth._resume
+    del model.depth.kv.before_layers

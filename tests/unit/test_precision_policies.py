@@ -179,15 +179,19 @@ def test_controller_mirrors_the_persistent_batch(tmp_path, monkeypatch) -> None:
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
+    from vllm_adaptive.batch_mirror import admit
     from vllm_adaptive.telemetry_exchange import STATS_DIR_ENV, read_request_records
 
     monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))  # finished requests' records go there
     c = _controller()
 
+    def update(batch_update: BatchUpdate) -> None:
+        c.update_batch(admit(batch_update))  # as batch_mirror.notify hands it over
+
     def params(tag: str, **extra) -> SamplingParams:
         return SamplingParams(extra_args={"adaptive_request_tag": tag, **extra})
 
-    c.update_batch(
+    update(
         BatchUpdate(
             batch_size=3,
             removed=[],
@@ -201,7 +205,7 @@ def test_controller_mirrors_the_persistent_batch(tmp_path, monkeypatch) -> None:
     )
     assert [c.slots[i].tag for i in range(3)] == ["a", "b", "c"]
     assert c.slots[1].code == LOW and c.slots[2].code == 3  # pinned low, off
-    c.update_batch(
+    update(
         BatchUpdate(
             batch_size=2,
             removed=[0],
@@ -211,13 +215,9 @@ def test_controller_mirrors_the_persistent_batch(tmp_path, monkeypatch) -> None:
     )
     assert {i: s.tag for i, s in c.slots.items()} == {0: "c", 1: "b"}
     assert [r["tag"] for r in c.finished] == ["a"]
-    c.update_batch(
-        BatchUpdate(batch_size=2, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)])
-    )
+    update(BatchUpdate(batch_size=2, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
     assert {i: s.tag for i, s in c.slots.items()} == {0: "b", 1: "c"}
-    c.update_batch(
-        BatchUpdate(batch_size=2, removed=[], added=[(1, params("d"), [6], [])], moved=[])
-    )
+    update(BatchUpdate(batch_size=2, removed=[], added=[(1, params("d"), [6], [])], moved=[]))
     assert c.slots[1].tag == "d" and c.finished[-1]["tag"] == "c"  # replaced: c finished
     (rec,) = read_request_records("c", tmp_path)  # handed to the frontend's route
     assert rec["mechanism"] == "precision" and rec["pinned"] == "off"
@@ -245,16 +245,16 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
 def test_prefill_runs_the_high_gear_and_decode_the_cold_start_gear(tmp_path, monkeypatch) -> None:
     """A short plain prompt cold-starts at the low gear, but its prefill (which makes the first
     token) runs high; pinned requests prefill at their pin."""
-    from vllm import SamplingParams
+    from vllm_adaptive.overrides import parse_overrides
 
     c = _controller()
-    cold = c._new_slot(SamplingParams(), [1, 2, 3])
+    cold = c._new_slot(parse_overrides(None), [1, 2, 3])
     cold.state.level = LOW  # what the classifier gives "The capital of France is"
     assert cold.prefill_code == HIGH
     assert [cold.code_at(p) for p in (0, 2, 3, 9)] == [HIGH, HIGH, LOW, LOW]
-    pinned = c._new_slot(SamplingParams(extra_args={"adaptive_gear": "low"}), [1, 2, 3])
+    pinned = c._new_slot(parse_overrides({"adaptive_gear": "low"}), [1, 2, 3])
     assert [pinned.code_at(p) for p in (2, 3)] == [LOW, LOW]
-    off = c._new_slot(SamplingParams(extra_args={"adaptive_mode": "off"}), [1, 2, 3])
+    off = c._new_slot(parse_overrides({"adaptive_mode": "off"}), [1, 2, 3])
     assert off.code_at(2) == off.code_at(3) == 3
     paper = parse_adaptive_config(
         {"precision": {"policy": "gearbx", "gearbx": {"prefill": "cold_start"}}}

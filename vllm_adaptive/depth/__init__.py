@@ -7,6 +7,8 @@ Two halves share this package and meet only through the profile on disk
   `proxies.py`, `targets.py`, `budget.py` (the exit simulator), `calibrate*.py`, `readout.py`,
   `signal_arrays.py`, `isotonic.py`;
 - the runtime inside vLLM's forward pass: `runtime.py` (depth-peeling over `peeling.py`, the
-  KV strategies `backfill.py`, `mask_context.py`, `exit_river.py`, `accelerated.py`),
-  `schedule.py`, `record.py`, `requests.py`, and the exit signals in `policies/`.
+  step's state in `step.py`, ARLA's `accelerated.py`), the KV strategies in `kv_strategies/`
+  (one class each, over `backfill.py`, `mask_context.py`, `exit_river.py`), `schedule.py`,
+  `record.py`, `requests.py` (per-request settings, resolved once at admission), and the exit
+  signals in `policies/`.
 """

@@ -1,8 +1,16 @@
-"""Per-request depth state (budget, thresholds, depths so far) and per-request telemetry."""
+"""Per-request depth state (budget, thresholds, depths so far) and per-request telemetry.
+
+A request's depth settings are resolved once, when it joins the persistent batch: its
+``adaptive_*`` keys arrive already parsed (`batch_mirror.notify` parses them once per request
+for every mechanism), and `DepthRequests` turns them into a `DepthRequest` holding what the
+runtime's plan reads (``off``, the EMAD ``thresholds`` of its budget). The runtime owns a
+`DepthRequests` and calls it; nothing here calls the runtime back.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,6 +19,9 @@ from typing import Any
 import numpy as np
 
 from vllm_adaptive.batch_mirror import SlotMirror
+from vllm_adaptive.overrides import RequestOverrides
+
+logger = logging.getLogger("vllm.adaptive.depth")
 
 
 @dataclass
@@ -44,11 +55,37 @@ class DepthRequest:
         }
 
 
+class BudgetThresholds:
+    """EMAD's per-probe thresholds for a budget (None: the engine's), from the exit profile."""
+
+    def __init__(self, profile: Any, engine_budget: float) -> None:
+        self.profile = profile
+        self.engine_budget = engine_budget
+        self._cache: dict[float, np.ndarray] = {}
+
+    def __call__(self, budget: float | None) -> np.ndarray:
+        b = self.engine_budget if budget is None else budget
+        if b not in self._cache:
+            self._cache[b] = self.profile.thresholds_for(b)
+        return self._cache[b]
+
+
 class DepthRequests:
     """Mirror of the persistent batch (see `batch_mirror`) holding `DepthRequest`s."""
 
-    def __init__(self, runtime: Any, telemetry_path: str | None) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        thresholds: BudgetThresholds,
+        signal_names: tuple[str, ...],
+        telemetry_path: str | None,
+    ) -> None:
+        self.num_layers = num_layers
+        self.thresholds = thresholds
+        self.engine_budget = thresholds.engine_budget
+        self.signal_names = signal_names
+        self.uses_budget = "emad" in signal_names
         self.telemetry_path = telemetry_path
         self.mirror: SlotMirror[DepthRequest] = SlotMirror(self._new, self._finish)
         self.finished: list[dict[str, Any]] = []
@@ -56,49 +93,48 @@ class DepthRequests:
         self.finished_count = 0
         self.seen = 0
         self._lock = threading.Lock()
-        self._last_export = 0.0
+        self._warned_budget = False
 
-    def _new(self, params: Any, prompt_ids: list[int] | None, _out: Any) -> DepthRequest:
-        from vllm_adaptive.overrides import parse_overrides
-
-        o = parse_overrides(params.extra_args if params is not None else None)
+    def _new(self, o: RequestOverrides, prompt_ids: list[int] | None, _out: Any) -> DepthRequest:
         self.seen += 1
         # A budget of 1.0 means no exits whatever the signal: with EMAD combined with another
         # signal (combine "any"), 1.0 would otherwise only silence EMAD.
         off = o.mode == "off" or (o.depth_budget is not None and o.depth_budget >= 1.0)
-        if o.depth_budget is not None and not self.runtime.uses_budget:
+        if o.depth_budget is not None and not self.uses_budget:
             # validate_params sees no engine config, so this cannot be a 400: honour the one
             # budget every signal understands (1.0: no exits) and say what is ignored.
-            if o.depth_budget < 1.0:
-                self.runtime.warn_once(
-                    "budget-signal",
+            if o.depth_budget < 1.0 and not self._warned_budget:
+                self._warned_budget = True
+                logger.warning(
                     "vllm-adaptive depth: adaptive_depth_budget=%s ignored: budgets set EMAD "
                     "thresholds and this engine's exit signal is %s (only 1.0, no exits, applies)",
                     o.depth_budget,
-                    "+".join(self.runtime.signal_names),
+                    "+".join(self.signal_names),
                 )
         return DepthRequest(
             tag=o.request_tag or f"req{self.seen}",
             prompt_len=len(prompt_ids or ()),
             budget=o.depth_budget,
             off=off,
-            thresholds=self.runtime.thresholds(1.0 if off else o.depth_budget),
+            thresholds=self.thresholds(1.0 if off else o.depth_budget),
         )
 
     def _finish(self, req: DepthRequest) -> None:
-        rec = req.record(self.runtime.num_layers, self.runtime.budget)
+        rec = req.record(self.num_layers, self.engine_budget)
         self.finished.append(rec)
         del self.finished[: -self.max_finished]
         self.finished_count += 1
         if self.telemetry_path:
             with open(self.telemetry_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        _exchange("append_request_record", rec)
-        self.export(force=True)
+        exchange("append_request_record", rec)
 
-    def update_batch(self, batch_update: Any) -> None:
+    def update_batch(self, batch_update: Any) -> int:
+        """Apply the batch's changes; how many requests finished."""
         with self._lock:
+            before = self.finished_count
             self.mirror.apply(batch_update)
+            return self.finished_count - before
 
     def rows(self, num_reqs: int) -> list[DepthRequest] | None:
         return self.mirror.rows(num_reqs)
@@ -111,31 +147,20 @@ class DepthRequests:
         for r, req in enumerate(plan.states):
             if not plan.samples[r]:
                 continue
-            if not plan.decode[r] and int(depth[r]) < self.runtime.num_layers:
+            if not plan.decode[r] and int(depth[r]) < self.num_layers:
                 req.capped_prefill = int(depth[r])
             req.depths.append(int(depth[r]))
-        self.export()
 
-    def export(self, force: bool = False) -> None:
-        """Engine counters for the frontend's Prometheus exporter, at most once a second."""
-        now = time.monotonic()
-        if force or now - self._last_export >= 1.0:
-            self._last_export = now
-            _exchange("write_engine_stats", self.runtime.engine_stats())
-
-    def telemetry(self) -> dict[str, Any]:
+    def records(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(finished, running) per-request records."""
         live = [
-            r.record(self.runtime.num_layers, self.runtime.budget)
+            r.record(self.num_layers, self.engine_budget)
             for _, r in sorted(self.mirror.slots.items())
         ]
-        return {
-            "engine": self.runtime.engine_stats(),
-            "finished": list(self.finished),
-            "running": live,
-        }
+        return list(self.finished), live
 
 
-def _exchange(fn: str, payload: dict[str, Any]) -> None:
+def exchange(fn: str, payload: dict[str, Any]) -> None:
     """Hand telemetry to the frontend (metrics, HTTP route); never fails a step."""
     try:
         from vllm_adaptive import telemetry_exchange
@@ -144,6 +169,4 @@ def _exchange(fn: str, payload: dict[str, Any]) -> None:
     try:
         getattr(telemetry_exchange, fn)(payload)
     except Exception:  # telemetry must not break serving
-        import logging
-
-        logging.getLogger("vllm.adaptive.depth").exception("vllm-adaptive: telemetry export")
+        logger.exception("vllm-adaptive: telemetry export")

@@ -17,6 +17,10 @@ policies it calls. One step:
    ARLA reads those states at the gate, and a row it exits emits the final norm of the
    accelerated state instead of the calibrated readout.
 3. Commit: every slot written this step records how many layers it got.
+
+What happens to the K/V of skipped layers is the KV strategy's (`kv_strategies/`, one class
+per `adaptive.depth.kv_strategy`); the runtime calls its hooks at each of these points and
+holds no strategy of its own.
 """
 
 from __future__ import annotations
@@ -30,37 +34,22 @@ import numpy as np
 import torch
 
 from vllm_adaptive.depth.accelerated import AcceleratedStash, AcceleratedStream
-from vllm_adaptive.depth.backfill import ExitStateStore, backfill, propagate_kv
+from vllm_adaptive.depth.backfill import ExitStateStore, backfill
 from vllm_adaptive.depth.exit_profile import ExitProfile
-from vllm_adaptive.depth.exit_river import ExitRiver
-from vllm_adaptive.depth.mask_context import StepMask, publish_mask
+from vllm_adaptive.depth.kv_strategies import PlanDraft, build_kv_strategy
 from vllm_adaptive.depth.peeling import (
     CpuSchedulerArgs,
-    one_token_cpu_metadata,
-    step_metadata,
     subset_cpu_metadata,
     token_index,
 )
 from vllm_adaptive.depth.policies.build import build_exit_signal, load_arla_adapters
 from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
-from vllm_adaptive.depth.requests import DepthRequests
+from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests, exchange
 from vllm_adaptive.depth.schedule import DepthSchedule
+from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
 
 logger = logging.getLogger("vllm.adaptive.depth")
-
-
-@dataclass
-class StepPlan:
-    cap: torch.Tensor  # [R] int64, deepest layer each row may run
-    floor: torch.Tensor  # [R] int64, shallowest probe a row may stop at
-    may_exit: torch.Tensor  # [R] bool, decode rows with the exit signal on
-    thresholds: torch.Tensor  # [R, P] float32
-    decode: np.ndarray  # [R] bool
-    samples: np.ndarray  # [R] bool: the row's last token is sampled (decode, last prefill chunk)
-    states: list | None
-    all_visible_below: int  # mask strategy: layers below see every cached slot
-    resume: list  # recompute strategy: (row, position, slot, depth) of tokens to resume
 
 
 @dataclass
@@ -110,16 +99,22 @@ class DepthRuntime:
             refresh_raise=refresh.raise_layers if refresh is not None else 0,
         )
         self.budget = config.budget if config.budget is not None else profile.budget
-        self.requests = DepthRequests(self, config.telemetry_path)
-        self.strategy = config.kv_strategy
+        self.kv = build_kv_strategy(config)
         self.signal_names = tuple(config.signal.policy)
+        self.requests = DepthRequests(
+            num_layers=self.num_layers,
+            thresholds=BudgetThresholds(profile, self.budget),
+            signal_names=self.signal_names,
+            telemetry_path=config.telemetry_path,
+        )
+        self._last_export = 0.0
         self.accelerated: AcceleratedStream | None = None
         adapters = None
         if "arla" in self.signal_names:
-            if self.strategy == "river":
+            if not self.kv.supports_accelerated_stream:
                 raise ValueError(
-                    'policy "arla" cannot run with adaptive.depth.kv_strategy "river": the Exit '
-                    "River's layer loop has no accelerated stream (use another kv_strategy)"
+                    f'policy "arla" cannot run with adaptive.depth.kv_strategy "{self.kv.name}": '
+                    "its layer loop has no accelerated stream (use another kv_strategy)"
                 )
             adapters = load_arla_adapters(config.signal, profile, vllm_config.model_config.model)
             self.accelerated = AcceleratedStream(adapters)
@@ -128,7 +123,6 @@ class DepthRuntime:
         )
         self.uses_budget = "emad" in self.signal_names
         self.emad_only = self.signal_names == ("emad",)
-        self.river: ExitRiver | None = None
         self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
         self.proxy_floor = torch.from_numpy(profile.proxy_floor).float()
         self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
@@ -140,37 +134,22 @@ class DepthRuntime:
         self.store: ExitStateStore | None = None
         self.sched_args: CpuSchedulerArgs | None = None
         self.counters = EngineCounters()
-        self._thresholds_cache: dict[float, np.ndarray] = {}
         self._warned: set[str] = set()
 
-    # -- budgets -------------------------------------------------------------------------------
-    def thresholds(self, budget: float | None) -> np.ndarray:
-        b = self.budget if budget is None else budget
-        if b not in self._thresholds_cache:
-            self._thresholds_cache[b] = self.profile.thresholds_for(b)
-        return self._thresholds_cache[b]
+    # -- requests ------------------------------------------------------------------------------
+    def update_batch(self, batch_update: Any) -> None:
+        """The persistent batch's changes, requests admitted (``batch_mirror`` listener)."""
+        if self.requests.update_batch(batch_update):
+            self.export(force=True)  # a request finished: its engine totals go out now
 
     def warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(msg, *args)
 
-    # -- the Exit River (kv_strategy "river") ----------------------------------------------------
-    def build_river(self, model: Any) -> None:
-        """Quantize the river's layers; called once the float weights are loaded."""
-        r = self.config.river_settings
-        self.river = ExitRiver(
-            model.layers, r.entry_layer, r.group_size, r.symmetric, precision=r.precision
-        )
-        if r.offload_backbone:
-            self.river.map_backbone(model.layers)
-        logger.info(
-            "vllm-adaptive river: %s copies of blocks %d-%d, %.1f MB",
-            self.river.quantizer,
-            r.entry_layer + 1,
-            self.num_layers,
-            self.river.resident_bytes() / 1e6,
-        )
+    def weights_loaded(self, model: Any) -> None:
+        """The float weights are loaded (the Exit River quantizes its copies from them)."""
+        self.kv.weights_loaded(self, model)
 
     # -- state next to the KV cache ------------------------------------------------------------
     def _ensure_record(self, model: Any) -> bool:
@@ -183,7 +162,7 @@ class DepthRuntime:
         num_blocks, _, block_size, _ = cache.shape
         device = cache.device
         self.record = SlotDepthRecord(num_blocks * block_size, block_size, device)
-        if self.config.refresh is not None or self.strategy == "recompute":
+        if self.config.refresh is not None or self.kv.stores_exit_states:
             hidden = model.norm.weight.shape[0]
             self.store = ExitStateStore(num_blocks * block_size, hidden, self.dtype, device)
         self.sched_args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
@@ -192,15 +171,14 @@ class DepthRuntime:
             self.signal.to(device)
         if self.accelerated is not None:
             self.accelerated.to(device)
-        if self.river is not None and self.config.river_settings.offload_backbone:
-            self.river.offload_backbone(model.layers)
+        self.kv.kv_cache_ready(self, model)
         logger.info(
             "vllm-adaptive depth: record for %d slots (block size %d), signal %s, kv_strategy "
             "%s, budget %.3g (%s), probes %s, floor %s, refresh %s",
             self.record.num_slots,
             block_size,
             "+".join(self.signal_names),
-            self.strategy,
+            self.kv.name,
             self.budget,
             self.profile.budget_kind,
             self.profile.probe_layers,
@@ -221,14 +199,13 @@ class DepthRuntime:
         states = self.requests.rows(num_reqs)
         L = self.num_layers
         P = len(self.profile.probe_layers)
-        cap = np.full(num_reqs, L, dtype=np.int64)
+        draft = PlanDraft(cap=np.full(num_reqs, L, dtype=np.int64), all_visible_below=L, resume=[])
+        cap = draft.cap
         floor = np.zeros(num_reqs, dtype=np.int64)
         may_exit = np.zeros(num_reqs, dtype=bool)
         decode = np.zeros(num_reqs, dtype=bool)
         samples = np.zeros(num_reqs, dtype=bool)
         thresholds = np.full((num_reqs, P), -np.inf)
-        visible = L  # layers below this see every cached slot (mask strategy)
-        resume: list[tuple[int, int, int, int]] = []
         if states is None:
             self.warn_once("unmapped", "vllm-adaptive depth: step not mapped; no exits")
         for r in range(num_reqs):
@@ -239,23 +216,7 @@ class DepthRuntime:
             if state is not None and counts[r] == 1 and p >= state.prompt_len:
                 decode[r] = True
                 t = p - state.prompt_len + 1
-                if self.strategy == "monotone":
-                    prev = int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
-                    if prev <= 0:
-                        self.warn_once("prev0", "vllm-adaptive depth: unrecorded previous slot")
-                        prev = L
-                    c = self.schedule.cap(t, prev)
-                    if c > prev:
-                        c = self._refresh(model, block_row, p, c)
-                    cap[r] = c
-                if self.strategy == "recompute":
-                    slot = record.slots(block_row, torch.tensor([p - 1]))
-                    d = int(record.read(slot).item())
-                    if 0 < d < L:
-                        resume.append((r, p - 1, int(slot.item()), d))
-                if self.strategy == "mask":
-                    low = record.context_min(block_row, p)
-                    visible = min(visible, low if low is not None else L)
+                self.kv.plan_decode(self, model, draft, r, block_row, p, t)
                 floor[r] = self.schedule.floor(t)
                 if not state.off:
                     may_exit[r] = True
@@ -265,15 +226,7 @@ class DepthRuntime:
                 low = record.context_min(block_row, context)
                 if context > 0:
                     self.counters.prefills_with_context += 1
-                if self.strategy == "mask":
-                    # masked slots are left out by attention, nothing to cap
-                    visible = min(visible, low if low is not None else L)
-                elif low is not None and low < L:
-                    if low <= 0:
-                        self.warn_once("ctx0", "vllm-adaptive depth: unrecorded context slot")
-                    else:
-                        cap[r] = low
-                        self.counters.capped_prefills += 1
+                self.kv.plan_prefill(self, draft, r, low)
                 floor[r] = cap[r]
         return StepPlan(
             cap=torch.from_numpy(cap),
@@ -283,8 +236,8 @@ class DepthRuntime:
             decode=decode,
             samples=samples,
             states=states,
-            all_visible_below=visible,
-            resume=resume,
+            all_visible_below=draft.all_visible_below,
+            resume=draft.resume,
         )
 
     def _refresh(self, model: Any, block_row: torch.Tensor, p: int, cap: int) -> int:
@@ -333,17 +286,7 @@ class DepthRuntime:
         t0 = time.perf_counter()
         plan = self._plan(model, md, positions)
         t_plan = time.perf_counter() - t0
-        if self.strategy == "river":
-            out, depth = self._river_forward(model, md, plan, positions, hidden, input_ids)
-        else:
-            mask = None
-            if self.strategy == "mask" and plan.all_visible_below < self.num_layers:
-                mask = StepMask(self.record.depth, plan.all_visible_below)
-                self.counters.masked_steps += 1
-            with step_metadata(self.layer_names) as ctx, publish_mask(mask):
-                if plan.resume:
-                    self._resume(model, ctx, md, plan.resume)
-                out, depth = self._peel(model, ctx, md, plan, positions, hidden, input_ids)
+        out, depth = self.kv.run_layers(self, model, md, plan, positions, hidden, input_ids)
         self._commit(md, plan, depth, positions.shape[0])
         self.counters.decision_seconds += t_plan
         self.counters.forward_seconds += time.perf_counter() - t0
@@ -356,13 +299,25 @@ class DepthRuntime:
             cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
         return cand
 
-    def _decide(self, p, count, j, rows, plan, h, res, prev, tok, first, input_ids, acc=None):
-        """Exit mask for candidate rows ``j`` (their tokens at ``first``) after ``count`` blocks;
+    def _decide(
+        self,
+        step: Step,
+        act: ActiveRows,
+        count: int,
+        j: torch.Tensor,
+        prev: torch.Tensor | None,
+        acc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Exit mask for the candidate rows ``j`` (of ``act``, decode rows: one token each)
+        after ``count`` blocks; ``prev``: the block's input stream when the signal needs it;
         ``acc``: their accelerated states when ``count`` is an ARLA gate."""
+        p = self.probe_index[count]
+        h, res = act.h, act.res
+        first = act.qsl[j].to(h.device)
         self.counters.probe_evals += int(j.numel())
         ids = None
-        if input_ids is not None and self.signal.needs_token_ids:
-            ids = input_ids[tok[first]]
+        if step.input_ids is not None and self.signal.needs_token_ids:
+            ids = step.input_ids[act.tok[first]]
         batch = ProbeBatch(
             layer=count,
             probe=p,
@@ -370,7 +325,7 @@ class DepthRuntime:
             prev_stream=None if prev is None else prev[first],
             token_ids=ids,
             readout=lambda x, p=p: self._readout(p, x),
-            thresholds=plan.thresholds[rows[j], p].to(h.device),
+            thresholds=step.plan.thresholds[act.rows[j], p].to(h.device),
             accelerated=acc,
         )
         return self.signal.exit_mask(batch).cpu()
@@ -378,7 +333,7 @@ class DepthRuntime:
     def _needs_prev(self, count: int) -> bool:
         return self.signal.needs_prev_stream and (count in self.probe_index)
 
-    def _accelerate(self, model, ctx, md, plan, rows, cur_qsl, h, res, pos, tok, block):
+    def _accelerate(self, step: Step, act: ActiveRows, block: int) -> AcceleratedStash | None:
         """Before block ``block`` runs: if it starts an ARLA gate interval, the accelerated
         stream of that interval for the active rows that are exit candidates at its gate."""
         accel = self.accelerated
@@ -387,21 +342,22 @@ class DepthRuntime:
         if interval is None:
             return None
         j_gate, start, gate = interval
-        cand = self._candidates(plan, rows, gate, self.probe_index[gate])
+        cand = self._candidates(step.plan, act.rows, gate, self.probe_index[gate])
         if not bool(cand.any()):
             return None
         j = torch.nonzero(cand).squeeze(1)
-        first = cur_qsl[j].to(h.device)  # decode rows: one token each
+        h, res = act.h, act.res
+        first = act.qsl[j].to(h.device)  # decode rows: one token each
         stream = h[first] if res is None else h[first] + res[first]
         stash = accel.run(
-            model.layers,
-            ctx,
-            md,
+            step.model.layers,
+            step.ctx,
+            step.md,
             self.sched_args,
             j_gate,
-            rows[j],
-            pos[first],
-            md.slot_mapping[tok[first]],
+            act.rows[j],
+            act.pos[first],
+            step.md.slot_mapping[act.tok[first]],
             stream,
         )
         self.counters.accelerated_rows += int(j.numel())
@@ -419,12 +375,14 @@ class DepthRuntime:
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
+        step = Step(model, md, plan, input_ids, ctx)
         stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
         for i, layer in enumerate(model.layers):
             count = i + 1
             if self.accelerated is not None and any_exit and rows.numel() > 0:
                 t0 = time.perf_counter()
-                got = self._accelerate(model, ctx, md, plan, rows, cur_qsl, h, res, pos, tok, i)
+                act = ActiveRows(rows, cur_qsl, tok, pos, h, res)
+                got = self._accelerate(step, act, i)
                 if got is not None or self.accelerated.interval_starting_at(i) is not None:
                     stash = got  # a new interval: the previous one's states are done
                 c.accelerated_seconds += time.perf_counter() - t0
@@ -441,13 +399,11 @@ class DepthRuntime:
             arla_js = arla_p = None
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
-                first = cur_qsl[j].to(h.device)  # decode rows: one token each
                 acc = None
                 if stash is not None and stash.gate == count:
                     acc = stash.states_for(rows[j])
-                passed = self._decide(
-                    p, count, j, rows, plan, h, res, prev, tok, first, input_ids, acc
-                )
+                act = ActiveRows(rows, cur_qsl, tok, pos, h, res)
+                passed = self._decide(step, act, count, j, prev, acc)
                 stop[j] |= passed
                 if acc is not None and bool(passed.any()):
                     arla_js, arla_p = j[passed], acc[passed.to(acc.device), -1]
@@ -468,11 +424,7 @@ class DepthRuntime:
             depth[rows[js]] = count
             if self.store is not None:
                 self.store.write(md.slot_mapping[tok[ts]], stream)
-            if self.strategy == "propagate" and count < L:
-                have = torch.full((ts.numel(),), count, dtype=torch.long, device=h.device)
-                c.propagated_kv += propagate_kv(
-                    model.layers, stream, md.slot_mapping[tok[ts]], pos[ts], have, L
-                )
+            self.kv.exited(self, model, stream, md.slot_mapping[tok[ts]], pos[ts], count)
             keep = torch.nonzero(~stop).squeeze(1)
             if keep.numel() == 0:
                 rows = keep
@@ -492,113 +444,13 @@ class DepthRuntime:
             depth[rows] = L
         return out, depth
 
-    def _resume(self, model, ctx, md, items: list[tuple[int, int, int, int]]) -> None:
-        """Batching recompute (EE-LLM): before this step's tokens run, each decode row's
-        previous token, which exited after ``d`` blocks, continues from its stored exit state
-        through blocks ``d+1 .. L`` with full attention, so its K/V exist at every layer when
-        the current token attends to it. Rows join the batch at their own layer."""
-        store, record = self.store, self.record
-        assert store is not None and record is not None
-        L = self.num_layers
-        dev = md.slot_mapping.device
-        rows = torch.tensor([it[0] for it in items])
-        pos = torch.tensor([it[1] for it in items], device=dev)
-        slots = torch.tensor([it[2] for it in items], device=dev)
-        d = torch.tensor([it[3] for it in items])
-        states = store.state[slots.long()]
-        active = torch.zeros(len(items), dtype=torch.bool)
-        h = res = None
-        for i in range(int(d.min()), L):
-            join = d == i
-            if bool(join.any()):
-                was = active.clone()
-                active |= join
-                idx = torch.nonzero(active).squeeze(1)
-                h_new = torch.empty(idx.numel(), states.shape[1], dtype=states.dtype, device=dev)
-                r_new = torch.zeros_like(h_new)
-                joined = join[idx].to(dev)
-                h_new[joined] = states[join.to(dev)]  # stream as h, zero residual: same sum
-                if h is not None:
-                    kept = was[idx].to(dev)
-                    h_new[kept], r_new[kept] = h, res
-                h, res = h_new, r_new
-                sub = one_token_cpu_metadata(
-                    md, rows[idx], pos[idx.to(dev)] + 1, slots[idx.to(dev)], self.sched_args
-                )
-                ctx.install(sub, i)
-            h, res = model.layers[i](pos[active.to(dev)], h, res)
-            self.counters.recomputed_kv += int(active.sum())
-        ctx.install(md, 0)
-        record.write(slots, L)
-
-    def _river_forward(self, model, md, plan: StepPlan, positions, hidden, input_ids=None):
-        """Every row runs every layer; a decode row that exits switches to the Exit River's int4
-        layers for the rest, writing its K/V into its own slots. With ``river.prefill: river``
-        prompt tokens take the river after the entry layer (River-LLM's sequence-level exit for
-        prefill). ``depth``: backbone blocks."""
-        river = self.river
-        assert river is not None, "build_river runs at weight loading"
-        L = self.num_layers
-        c = self.counters
-        num_reqs = plan.cap.shape[0]
-        depth = torch.full((num_reqs,), L, dtype=torch.long)
-        qsl = md.query_start_loc.cpu().long()
-        dev = hidden.device
-        first = qsl[:-1].to(dev)  # a decode row's (only) token
-        tok = torch.arange(hidden.shape[0], device=dev)
-        in_river = torch.zeros(num_reqs, dtype=torch.bool)
-        river_tok = torch.zeros(hidden.shape[0], dtype=torch.bool, device=dev)
-        prefill_rows = torch.from_numpy(~plan.decode)
-        for r, state in enumerate(plan.states or [None] * num_reqs):
-            if state is None or state.off:  # exits off: this request's prompt stays stock
-                prefill_rows[r] = False
-        prefill_river = self.config.river_settings.prefill == "river" and bool(prefill_rows.any())
-        h, res = hidden, None
-        any_exit = bool(plan.may_exit.any())
-        all_rows = torch.arange(num_reqs)
-        for i, layer in enumerate(model.layers):
-            count = i + 1
-            prev = None
-            if any_exit and self._needs_prev(count):
-                prev = h if res is None else h + res
-            if bool(river_tok.any()):
-                rt = torch.nonzero(river_tok).squeeze(1)
-                bt = torch.nonzero(~river_tok).squeeze(1)
-                h, res = river.forward_layer(
-                    layer, positions, h, res, rt, bt if bt.numel() else None
-                )
-                c.river_token_layers += int(river_tok[first[in_river.to(dev)]].sum())
-            else:
-                h, res = layer(positions, h, res)
-            if prefill_river and count == river.entry_layer:
-                for r in torch.nonzero(prefill_rows).squeeze(1).tolist():
-                    river_tok[int(qsl[r]) : int(qsl[r + 1])] = True
-                depth[prefill_rows] = count
-            p = self.probe_index.get(count)
-            if p is None or count < river.entry_layer or count >= L:
-                continue
-            t0 = time.perf_counter()
-            cand = self._candidates(plan, all_rows, count, p) & ~in_river
-            if bool(cand.any()):
-                j = torch.nonzero(cand).squeeze(1)
-                passed = self._decide(
-                    p, count, j, all_rows, plan, h, res, prev, tok, first[j], input_ids
-                )
-                newly = j[passed]
-                in_river[newly] = True
-                river_tok[first[newly.to(dev)]] = True
-                depth[newly] = count
-            c.decision_seconds += time.perf_counter() - t0
-        out, _ = model.norm(h, res)
-        return out, depth
-
     # -- 3. commit -------------------------------------------------------------------------------
     def _commit(self, md: Any, plan: StepPlan, depth: torch.Tensor, num_tokens: int) -> None:
         record = self.record
         assert record is not None
         qsl = md.query_start_loc.cpu()
         counts = (qsl[1:] - qsl[:-1]).long()
-        if self.strategy in ("propagate", "river"):
+        if self.kv.fills_every_layer:
             # every layer has K/V for every token (propagated, or written by the river)
             record.write(md.slot_mapping[:num_tokens], self.num_layers)
         else:
@@ -614,14 +466,26 @@ class DepthRuntime:
         for v in d.tolist():
             c.exit_tokens[v] = c.exit_tokens.get(v, 0) + 1
         self.requests.observe(plan, depth.tolist())
+        self.export()
 
     # -- telemetry -----------------------------------------------------------------------------
+    def export(self, force: bool = False) -> None:
+        """Engine counters for the frontend's Prometheus exporter, at most once a second."""
+        now = time.monotonic()
+        if force or now - self._last_export >= 1.0:
+            self._last_export = now
+            exchange("write_engine_stats", self.engine_stats())
+
+    def telemetry(self) -> dict[str, Any]:
+        finished, running = self.requests.records()
+        return {"engine": self.engine_stats(), "finished": finished, "running": running}
+
     def engine_stats(self) -> dict[str, Any]:
         c = self.counters
         return {
             "mechanism": "depth",
             "signal": list(self.signal_names),
-            "kv_strategy": self.strategy,
+            "kv_strategy": self.kv.name,
             "propagated_kv": c.propagated_kv,
             "river_token_layers": c.river_token_layers,
             "recomputed_kv": c.recomputed_kv,

@@ -22,6 +22,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.depth.runtime import DepthRuntime
 from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
 from vllm_adaptive.precision.controller import PrecisionController
@@ -129,6 +130,10 @@ class EagerAdaptiveLlamaModel(AdaptiveLlamaModel):
     it runs eagerly whatever the compilation config (the rest of vLLM is unchanged)."""
 
 
+def _needs_masked_attention(depth) -> bool:
+    return kv_strategy_class(depth.kv_strategy).needs_masked_attention
+
+
 def load_depth_runtime(
     model: AdaptiveLlamaModel,
     vllm_config: VllmConfig,
@@ -160,21 +165,18 @@ def load_depth_runtime(
             f"adaptive.depth: depth-peeling supports the attention backends {SUPPORTED_BACKENDS}, "
             f"this engine uses {backend}"
         )
-    if depth.kv_strategy == "mask":
+    kv = kv_strategy_class(depth.kv_strategy)
+    if kv.needs_masked_attention:
         from vllm_adaptive.attention.masked_backend import masked_backend_active
 
         if not masked_backend_active(attn):
             raise AdaptiveConfigError(
-                'adaptive.depth.kv_strategy: "mask" needs the plugin\'s masked attention '
+                f'adaptive.depth.kv_strategy: "{kv.name}" needs the plugin\'s masked attention '
                 f"backend, but the attention layers were built with {type(attn.impl).__name__}"
             )
-    if depth.kv_strategy == "river":
-        entry = depth.river_settings.entry_layer
-        if entry >= num_layers:
-            raise AdaptiveConfigError(
-                f"adaptive.depth.river.entry_layer: {entry} leaves no layer for the river "
-                f"(the model has {num_layers})"
-            )
+    reason = kv.check_engine(depth, num_layers)
+    if reason is not None:
+        raise AdaptiveConfigError(reason)
     try:
         return DepthRuntime(model, depth, profile, vllm_config, unembed=unembed)
     except (ProfileError, ValueError) as e:
@@ -194,7 +196,7 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
     ) -> None:
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
-        if adaptive.active_depth is not None and adaptive.active_depth.kv_strategy == "mask":
+        if adaptive.active_depth is not None and _needs_masked_attention(adaptive.active_depth):
             from vllm_adaptive import vllm_patches
 
             vllm_patches.apply("masked-attention-backend")  # before the layers pick a backend
@@ -212,12 +214,12 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
                 self.model, vllm_config, adaptive.active_depth, self.lm_head.weight
             )
             self.model.depth_runtime = self.depth
-            register_listener("depth", self.depth.requests)
+            register_listener("depth", self.depth)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
-        if self.depth is not None and self.depth.strategy == "river":
-            self.depth.build_river(self.model)
+        if self.depth is not None:
+            self.depth.weights_loaded(self.model)
         if self.adaptive_config.active_speculative is not None:
             # Packed draft weights are made from the float ones, which vLLM's CPU weight
             # processing (oneDNN prepacking) removes once loading ends.

@@ -3,7 +3,8 @@
 Lives in the worker next to the model. Three hooks drive it, all called by vLLM's own loop:
 
 1. ``update_batch`` (from a logits processor's ``update_state``, before each forward): mirrors
-   the persistent batch: requests added (cold-start gear, per-request overrides), removed,
+   the persistent batch: requests added (cold-start gear, per-request overrides, parsed once
+   by `batch_mirror.admit`), removed,
    moved or swapped, so slot ``i`` is always the request whose tokens come ``i``-th in the step.
 2. ``begin_step`` (from the model's forward, outside the compiled graph): turns the slots' gear
    levels into a plan: one level for the whole step (``routing="step"``: the most demanding
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from vllm_adaptive.batch_mirror import SlotMirror, listener, register_listener
+from vllm_adaptive.overrides import RequestOverrides
 from vllm_adaptive.precision.entropy import entropy_bits
 from vllm_adaptive.precision.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
@@ -108,7 +110,7 @@ class PrecisionController:
         self.tokenizer_path = tokenizer_path
         self._tokenizer = None
         self.mirror: SlotMirror[Slot] = SlotMirror(
-            lambda params, prompt_ids, _out: self._new_slot(params, prompt_ids), self._finish
+            lambda overrides, prompt_ids, _out: self._new_slot(overrides, prompt_ids), self._finish
         )
         self.slots = self.mirror.slots
         self.plan: StepPlan | None = None
@@ -136,10 +138,7 @@ class PrecisionController:
                 return None
         return self._tokenizer.decode(prompt_ids, skip_special_tokens=True)
 
-    def _new_slot(self, params, prompt_ids: list[int] | None) -> Slot:
-        from vllm_adaptive.overrides import parse_overrides
-
-        overrides = parse_overrides(params.extra_args if params else None)
+    def _new_slot(self, overrides: RequestOverrides, prompt_ids: list[int] | None) -> Slot:
         self.requests_seen += 1
         tag = overrides.request_tag or f"req{self.requests_seen}"
         pinned = None

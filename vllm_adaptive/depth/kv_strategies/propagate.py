@@ -1,0 +1,34 @@
+"""``propagate`` (CALM): a token that stops after ``D`` blocks gets K/V at every later layer,
+projected from its exit state through that layer's norm, K/V projection and rotary embedding
+(`backfill.propagate_kv`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_adaptive.depth.backfill import propagate_kv
+from vllm_adaptive.depth.kv_strategies.base import KvStrategy
+
+
+class PropagateStrategy(KvStrategy):
+    name = "propagate"
+    fills_every_layer = True
+
+    def exited(
+        self,
+        runtime: Any,
+        model: Any,
+        stream: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        count: int,
+    ) -> None:
+        L = runtime.num_layers
+        if count >= L:
+            return
+        have = torch.full((stream.shape[0],), count, dtype=torch.long, device=stream.device)
+        runtime.counters.propagated_kv += propagate_kv(
+            model.layers, stream, slots, positions, have, L
+        )
