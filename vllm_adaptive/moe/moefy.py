@@ -217,6 +217,7 @@ def train_router(
     """Router weight [E, hidden] fit on (x, contribution) pairs: soft-target cross entropy against
     the shares ``contrib / contrib.sum(-1)``, minibatch Adam with cosine decay."""
     g = torch.Generator().manual_seed(seed)
+    x, contrib = x.float(), contrib.float()
     scale = x.pow(2).mean(0).sqrt().clamp(min=1e-6)
     xs = x / scale
     target = contrib / contrib.sum(-1, keepdim=True).clamp(min=1e-12)
@@ -269,7 +270,7 @@ def moefy_model(
         contrib = contribution_shares(layer.mlp, x, e)
         cut = int(n * (1.0 - opts.router_holdout))
         w = train_router(x[:cut], contrib[:cut], opts, opts.seed * 1000 + i)
-        logits = x[cut:] @ w.T
+        logits = x[cut:].float() @ w.T
         held = contrib[cut:]
         total = held.sum(-1)
         stats.append(
