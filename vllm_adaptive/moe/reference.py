@@ -10,8 +10,8 @@ moe_intermediate_size = intermediate_size / num_local_experts``), plus one bias-
 Routing: the router's logits on the MLP input (after ``post_attention_layernorm``) pick the
 ``top_k`` largest; the MLP output is the plain sum of the selected experts' outputs,
 ``sum_e down_e(act(gate_e(x)) * up_e(x))``, without gate weights (the dense model has none, and
-with every expert selected the sum is the dense MLP). Ties go to the lower expert index
-(``torch.topk`` on CPU).
+with every expert selected the sum is the dense MLP). The selection is ``torch.topk``'s (exact
+ties of float logits are not specified).
 
 Modes of :class:`MoefiedMLP` (for the quality evaluation):
 - ``router``: the trained router picks the experts (the shipped model);
