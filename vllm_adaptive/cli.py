@@ -233,6 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_m2r2_arguments(m2r2)
     m2r2.set_defaults(func=_cmd_train_m2r2)
 
+    from vllm_adaptive.moe.args import add_moe_arguments
+
+    moe = sub.add_parser(
+        "moe",
+        help="the MoEfied model (upcycled from dense by the project): build, quality (no vLLM)",
+    )
+    add_moe_arguments(moe)
+
     from vllm_adaptive.oracle import add_oracle_arguments
 
     oracle = sub.add_parser(

@@ -107,7 +107,7 @@ class DerivedEntry:
 
     name: str
     base: str
-    kind: str  # "w8a8": see vllm_adaptive/w8a8_checkpoint.py
+    kind: str  # "w8a8": vllm_adaptive/w8a8_checkpoint.py; "moefy": vllm_adaptive/moe/moefy.py
     description: str
 
 
@@ -118,6 +118,14 @@ DERIVED: dict[str, DerivedEntry] = {
         kind="w8a8",
         description="the default model as a compressed-tensors W8A8 int8 checkpoint "
         "(per-channel weights, dynamic per-token activations) for vLLM's own int8 path",
+    ),
+    "smollm2-135m-moefied": DerivedEntry(
+        name="smollm2-135m-moefied",
+        base="smollm2-135m-instruct",
+        kind="moefy",
+        description="the default model MoEfied by the project (NOT a trained MoE): each MLP's "
+        "1536 neurons split into 16 experts by co-activation on the default corpora, a trained "
+        "top-k router per layer (docs/moe.md)",
     ),
 }
 
@@ -418,24 +426,78 @@ def _prepare_derived(entry: DerivedEntry, force: bool, quiet: bool, log) -> Path
         log(f"{entry.name}: already prepared, checksums verified")
         return out
     base = prepare(entry.base, quiet=quiet)
-
-    def build(tmp: Path, progress: tqdm) -> None:
-        from vllm_adaptive.w8a8_checkpoint import write_w8a8
-
-        progress.set_description(f"quantizing {entry.base} ({entry.kind})")
-        summary = write_w8a8(base, tmp)
-        log(
-            f"{entry.name}: {summary['quantized_tensors']} linears int8, worst row relative "
-            f"error {summary['worst_row_relative_error']:.4f}"
-        )
-        progress.update(5)
-
     base_manifest = json.loads((base / MANIFEST).read_text())
     source = {"base": entry.base, "kind": entry.kind, "base_files": base_manifest["files"]}
+
+    if entry.kind == "w8a8":
+
+        def build(tmp: Path, progress: tqdm) -> None:
+            from vllm_adaptive.w8a8_checkpoint import write_w8a8
+
+            progress.set_description(f"quantizing {entry.base} ({entry.kind})")
+            summary = write_w8a8(base, tmp)
+            log(
+                f"{entry.name}: {summary['quantized_tensors']} linears int8, worst row relative "
+                f"error {summary['worst_row_relative_error']:.4f}"
+            )
+            progress.update(5)
+
+    elif entry.kind == "moefy":
+        build, moefy_source = _moefy_build(entry, base, quiet, log)
+        source.update(moefy_source)
+    else:
+        raise ModelPrepareError(f"{entry.name}: unknown derived kind {entry.kind!r}")
+
     with _preparing(entry.name):
         if force or not _verify_manifest(out):
             _write_checked(entry.name, out, build, source, log, quiet)
     return out
+
+
+def _moefy_build(entry: DerivedEntry, base: Path, quiet: bool, log):
+    """The MoEfied model's build step and its fingerprint: the default corpora (regenerated from
+    the Python standard library and debian-reference-en, their sha256 recorded) and the build
+    options (seeded, so the same inputs give the same weights)."""
+    from dataclasses import asdict
+
+    from vllm_adaptive.bench.corpus import default_code_corpus, default_prose_corpus
+    from vllm_adaptive.moe.moefy import MoefyOptions
+
+    opts = MoefyOptions()
+    corpora_dir = cache_root() / "corpora" / entry.name
+    corpora_dir.mkdir(parents=True, exist_ok=True)
+    corpora = [
+        default_code_corpus(corpora_dir / "code.txt"),
+        default_prose_corpus(corpora_dir / "prose.txt"),
+    ]
+    source = {
+        "options": asdict(opts),
+        "corpora": {p.name: _sha256(p) for p in corpora},
+    }
+
+    def build(tmp: Path, progress: tqdm) -> None:
+        import torch
+
+        from vllm_adaptive.moe.moefy import write_moefied
+
+        progress.set_description(f"MoEfying {entry.base}")
+        # one thread: float sums in a fixed order, so the k-means and the routers come out the
+        # same on every run of one machine (and the build stays off the other cores)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            summary = write_moefied(base, tmp, corpora, opts, progress=not quiet)
+        finally:
+            torch.set_num_threads(threads)
+        recall = summary["mean_router_recall_heldout_calibration"]
+        log(
+            f"{entry.name}: {opts.experts} experts, top-{opts.top_k}; router recall of the "
+            f"oracle top-k on held-out calibration tokens {recall}; "
+            f"{summary['seconds']['total']:.0f} s"
+        )
+        progress.update(5)
+
+    return build, source
 
 
 def prepare(name: str = DEFAULT_MODEL, force: bool = False, quiet: bool = False) -> Path:
