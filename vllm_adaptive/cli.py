@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
@@ -257,7 +258,25 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "forwards_rest", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest  # the commands that parse their own options get the rest
+    if args.command == "moe":
+        _prepare_named_models(args)
     return args.func(args)
+
+
+def _prepare_named_models(args: argparse.Namespace) -> None:
+    """`moe` commands take checkpoint directories or names `models prepare` knows: prepare the
+    named ones here (the offline moe package does not import the model zoo, which builds the
+    MoEfied model with it)."""
+    from vllm_adaptive.model_zoo import prepare
+
+    def resolve(name_or_dir: str) -> str:
+        return name_or_dir if Path(name_or_dir).is_dir() else str(prepare(name_or_dir, quiet=True))
+
+    for key in ("base", "dense"):
+        if getattr(args, key, None):
+            setattr(args, key, resolve(getattr(args, key)))
+    if getattr(args, "model", None):
+        args.model = [resolve(m) for m in args.model]
 
 
 if __name__ == "__main__":

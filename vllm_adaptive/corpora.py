@@ -109,3 +109,13 @@ def default_prose_corpus(
     out = Path(out)
     out.write_text(text, encoding="utf-8")
     return out
+
+
+def prompt_bos(tok) -> int | None:
+    """The BOS id when the tokenizer puts it before every prompt (as vLLM's prompts get it)."""
+    with_special = tok("a")["input_ids"]
+    plain = tok("a", add_special_tokens=False)["input_ids"]
+    bos = tok.bos_token_id
+    if bos is not None and with_special[:1] == [bos] and plain[:1] != [bos]:
+        return bos
+    return None

@@ -460,7 +460,7 @@ def _moefy_build(entry: DerivedEntry, base: Path, quiet: bool, log):
     options (seeded, so the same inputs give the same weights)."""
     from dataclasses import asdict
 
-    from vllm_adaptive.bench.corpus import default_code_corpus, default_prose_corpus
+    from vllm_adaptive.corpora import default_code_corpus, default_prose_corpus
     from vllm_adaptive.moe.moefy import MoefyOptions
 
     opts = MoefyOptions()

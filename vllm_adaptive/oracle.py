@@ -111,16 +111,6 @@ def summarize(corpus: str, match: torch.Tensor) -> OracleResult:
     )
 
 
-def prompt_bos(tok) -> int | None:
-    """The BOS id when the tokenizer puts it before every prompt (as vLLM's prompts get it)."""
-    with_special = tok("a")["input_ids"]
-    plain = tok("a", add_special_tokens=False)["input_ids"]
-    bos = tok.bos_token_id
-    if bos is not None and with_special[:1] == [bos] and plain[:1] != [bos]:
-        return bos
-    return None
-
-
 def run_oracle(
     model_dir: str | Path,
     corpora: list[str | Path],
@@ -133,7 +123,7 @@ def run_oracle(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_adaptive.corpora import read_corpus, token_windows
+    from vllm_adaptive.corpora import prompt_bos, read_corpus, token_windows
 
     if not 0 < score <= window:
         raise ValueError(f"score must be in 1..window ({window}), got {score}")

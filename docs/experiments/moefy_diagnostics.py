@@ -49,7 +49,7 @@ def profiles(kind: str, a: torch.Tensor, down_norm: torch.Tensor) -> torch.Tenso
 def clustering(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_adaptive.oracle import prompt_bos
+    from vllm_adaptive.corpora import prompt_bos
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -81,9 +81,9 @@ def clustering(args: argparse.Namespace) -> None:
 def layers(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
+    from vllm_adaptive.corpora import prompt_bos
     from vllm_adaptive.moe.quality import eval_windows, logits_of, score
     from vllm_adaptive.moe.reference import load_moefied, moefied_mlps, set_routing
-    from vllm_adaptive.oracle import prompt_bos
 
     moe = load_moefied(args.model)
     tok = AutoTokenizer.from_pretrained(args.model)

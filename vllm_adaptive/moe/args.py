@@ -69,12 +69,12 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(name_or_dir: str) -> Path:
+    """A checkpoint directory (``vllm_adaptive.cli`` turns model names into prepared
+    directories before a ``moe`` command runs)."""
     p = Path(name_or_dir)
-    if p.is_dir():
-        return p
-    from vllm_adaptive.model_zoo import prepare
-
-    return prepare(name_or_dir)
+    if not p.is_dir():
+        raise SystemExit(f"{name_or_dir}: not a checkpoint directory")
+    return p
 
 
 def _run_build(args: argparse.Namespace) -> int:

@@ -80,7 +80,7 @@ class MoefyOptions:
 def calibration_windows(tok, corpora: list[str | Path], window: int, per_corpus: int):
     """``per_corpus`` windows of ``window`` tokens spread evenly over the calibration part of
     every corpus file, and each file's sha256 and size."""
-    from vllm_adaptive.bench.corpus import read_corpus, token_windows
+    from vllm_adaptive.corpora import read_corpus, token_windows
 
     windows, info = [], []
     for path in corpora:
@@ -316,7 +316,7 @@ def write_moefied(
     empty directory) from calibration windows of ``corpora``: see :func:`write_from_windows`."""
     from transformers import AutoTokenizer
 
-    from vllm_adaptive.oracle import prompt_bos
+    from vllm_adaptive.corpora import prompt_bos
 
     opts = opts or MoefyOptions()
     tok = AutoTokenizer.from_pretrained(str(src))

@@ -22,7 +22,7 @@ from vllm_adaptive.moe.reference import load_moefied, moefied_mlps, set_routing
 
 
 def eval_windows(tok, path: str | Path, windows: int, window: int) -> list[list[int]]:
-    from vllm_adaptive.bench.corpus import read_corpus, token_windows
+    from vllm_adaptive.corpora import read_corpus, token_windows
 
     ids = tok(read_corpus(path).eval_text, add_special_tokens=False)["input_ids"]
     return token_windows(ids, window, windows)
@@ -69,8 +69,8 @@ def run_quality(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from vllm_adaptive.corpora import prompt_bos
     from vllm_adaptive.moe.moefy import ks_for
-    from vllm_adaptive.oracle import prompt_bos
 
     model_dir, dense_dir = Path(model_dir), Path(dense_dir)
     dense = AutoModelForCausalLM.from_pretrained(str(dense_dir), dtype=torch.float32).eval()
