@@ -171,6 +171,12 @@ class MoeRuntime:
         for distance, predicted in self._pending.pop(layer, {}).items():
             self.predictions.add(distance, predicted, needed)
 
+    def set_predictor(self, predictor: ExpertPredictor) -> None:
+        """Swap the predictor between steps; pending predictions and soft pins are dropped."""
+        self.predictor = predictor
+        self._pending.clear()
+        self.tier.release_soft()
+
     # -- telemetry ----------------------------------------------------------------------------
 
     def end_step(self, seconds: float) -> None:
