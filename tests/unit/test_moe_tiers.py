@@ -57,6 +57,7 @@ def test_records_are_page_aligned_and_round_trip(slow) -> None:
     tier, w = slow
     assert LAYOUT.stride % PAGE == 0 and LAYOUT.stride >= LAYOUT.nbytes
     assert tier.path.stat().st_size == 8 * LAYOUT.stride
+    assert tier.resident_fraction((1, 2)) in (0, None)  # written, then dropped: loads are cold
     fast = FastTier(tier, 3)
     try:
         for key in [(1, 2), (0, 0)]:
@@ -135,6 +136,8 @@ def test_eviction_drops_pages(slow) -> None:
     if before is not None:  # mincore available
         assert before > 0
         assert after == 0
+        # a load reads its own record only: no read-around into the neighbours
+        assert tier.resident_fraction((1, 2)) == 0 and tier.resident_fraction((0, 1)) == 0
     fast.executor.shutdown()
 
 

@@ -2,7 +2,10 @@
 
 **Slow tier** (:class:`SlowTier`): one file holding every expert's weights, one contiguous
 record per (layer, expert), each record starting on a page boundary (so a record's pages belong
-to it alone), memory-mapped read-only. Dropping a record (:meth:`SlowTier.drop`) removes its
+to it alone), memory-mapped read-only, without read-around (``MADV_RANDOM``: reading one
+record must not pull its neighbours into the page cache) and with one ``MADV_WILLNEED`` of
+exactly the record before each copy. The file's pages leave the page cache once written, so
+first loads are cold too. Dropping a record (:meth:`SlowTier.drop`) removes its
 pages from this process's mapping (``madvise(MADV_DONTNEED)``) and from the page cache
 (``posix_fadvise(POSIX_FADV_DONTNEED)``), so the next read of that record really comes from the
 disk. :meth:`SlowTier.measure_bandwidth` times cold reads of a few records after dropping them.
@@ -104,6 +107,10 @@ class SlowTier:
             os.close(self.fd)
             raise ValueError(f"{self.path}: {actual} bytes, expected {self.size}")
         self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        # No read-around on page faults: with it, reading one record pulls the neighbouring
+        # records' pages into the page cache (measured: the whole next record), and their
+        # later "cold" loads would be warm. read_into asks for exactly one record instead.
+        self.mm.madvise(mmap.MADV_RANDOM)
         self._bytes = np.frombuffer(self.mm, dtype=np.uint8)
         self.bytes_read = 0
         self.drops = 0
@@ -144,6 +151,7 @@ class SlowTier:
                     os.pwrite(fd, buf, (layer * num_experts + expert) * layout.stride)
             os.ftruncate(fd, num_layers * num_experts * layout.stride)
             os.fsync(fd)  # dirty pages cannot be dropped from the page cache
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # first loads read the disk too
         finally:
             os.close(fd)
         return cls(path, num_layers, num_experts, layout)
@@ -161,6 +169,7 @@ class SlowTier:
         numpy's copy releases the GIL, so this overlaps with compute on another thread."""
         off = self.offset(key)
         n = self.layout.nbytes
+        self.mm.madvise(mmap.MADV_WILLNEED, off, self.layout.stride)  # one read-ahead of it
         np.copyto(dst[:n], self._bytes[off : off + n])
         self.bytes_read += n
 
