@@ -163,10 +163,9 @@ class MoefiedLlamaForCausalLM(LlamaForCausalLM):
             vllm_config.parallel_config.tensor_parallel_size > 1
         ):
             raise AdaptiveConfigError(f"{ARCHITECTURE}: one worker only (no TP/PP) for now")
-        self.num_experts, self.top_k, self.expert_size = moe_shape(
-            vllm_config.model_config.hf_config
-        )
+        shape = moe_shape(vllm_config.model_config.hf_config)  # refuse a bad config first
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        self.num_experts, self.top_k, self.expert_size = shape
         self.adaptive_config = adaptive
         self.moe_runtime: MoeRuntime | None = None
 
