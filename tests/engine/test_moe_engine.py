@@ -25,7 +25,7 @@ from vllm_adaptive.models.moefied_llama import moe_stats, reset_moe_stats, set_m
 
 SHARED = "Here is a long list of facts about the planets of the solar system. " * 12
 BATCH = [*PROMPTS[:5], SHARED + "Mercury is", SHARED + "Neptune is"]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 TIERED = {"adaptive": {"moe": {"capacity": 0.25, "predictor": "pregate", "lookahead": 2}}}
 
 
@@ -67,6 +67,11 @@ def runs(moefied_dir: Path) -> dict:
         out["prefix_hits"] = metric(llm, "vllm:prefix_cache_hits")
     finally:
         shutdown(llm)
+    for name in ("pregate", "none"):  # shown with -s (mechanics fixture: no claims)
+        s = out[f"{name}_stats"]
+        keys = ("slots", "hits", "misses", "loads", "evictions", "stall_seconds", "tokens")
+        print(name, {k: s[k] for k in keys}, "prediction", s["prediction"])
+    print("slow tier cold read MB/s", out["pregate_stats"]["slow_tier_cold_read_bytes_per_s"] / 1e6)
     return out
 
 
