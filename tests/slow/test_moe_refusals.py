@@ -32,9 +32,14 @@ def _start(model: Path, adaptive: dict) -> str:
     return proc.stdout + proc.stderr
 
 
+def _errors(out: str) -> str:
+    return "\n".join(line for line in out.splitlines() if "Error" in line)[-3000:]
+
+
 def test_moe_on_a_dense_model_is_refused(model_dir: Path) -> None:
     out = _start(model_dir, {"moe": {"capacity": 0.5}})
-    assert "adaptive.moe: LlamaForCausalLM is not a MoEfied model" in out
+    # refused by the worker's admission check, before the model is built
+    assert "adaptive.moe: the model (['LlamaForCausalLM']) is not MoEfied" in out, _errors(out)
 
 
 @pytest.mark.parametrize(
@@ -43,4 +48,5 @@ def test_moe_on_a_dense_model_is_refused(model_dir: Path) -> None:
 )
 def test_fast_tier_too_small_is_refused(model_dir: Path, tmp_path: Path, moe, message) -> None:
     moefied = build_mechanics_moefied(model_dir, tmp_path / "moefied")
-    assert message in _start(moefied, moe)
+    out = _start(moefied, {"moe": moe})
+    assert message in out, _errors(out)
