@@ -1,4 +1,5 @@
-"""The architectures that have an adaptive twin, and the classes that implement it.
+"""The architectures that have an adaptive twin, the plugin's own architectures, and the classes
+that implement them.
 
 Read by the model-registry entry of :mod:`vllm_adaptive.vllm_patches` (what to register), by the
 dispatchers in ``models/dispatch.py`` and by the admission check that refuses an adaptive config
@@ -35,3 +36,38 @@ ADAPTIVE_ARCHITECTURES: tuple[AdaptiveArchitecture, ...] = (
         dispatch_cls="vllm_adaptive.models.dispatch:Gemma3ForCausalLMDispatch",
     ),
 )
+
+
+@dataclass(frozen=True)
+class OwnArchitecture:
+    """An architecture only the plugin implements (no stock vLLM class to dispatch from): its
+    checkpoints name it in ``architectures`` and need the plugin to load at all. Registered as
+    is; its class runs its reference form without an ``adaptive`` section."""
+
+    name: str  # architecture name in the HF config and in vLLM's registry
+    cls: str  # "module:Class"
+    sections: tuple[str, ...]  # the adaptive config sections it supports
+
+
+OWN_ARCHITECTURES: tuple[OwnArchitecture, ...] = (
+    OwnArchitecture(
+        name="MoefiedLlamaForCausalLM",
+        cls="vllm_adaptive.models.moefied_llama:MoefiedLlamaForCausalLM",
+        sections=("moe",),
+    ),
+)
+
+
+def registry_entries() -> list[tuple[str, str]]:
+    """(architecture name, "module:Class") for every ModelRegistry entry the plugin makes."""
+    entries = []
+    for arch in ADAPTIVE_ARCHITECTURES:
+        entries += [(arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)]
+    entries += [(arch.name, arch.cls) for arch in OWN_ARCHITECTURES]
+    return entries
+
+
+def supported_architectures() -> set[str]:
+    """Every architecture name an adaptive config may be used with."""
+    names = {a.stock for a in ADAPTIVE_ARCHITECTURES} | {a.adaptive for a in ADAPTIVE_ARCHITECTURES}
+    return names | {a.name for a in OWN_ARCHITECTURES}

@@ -480,6 +480,34 @@ class SpeculativeConfig(_Strict):
         return self.draft_precision if self.draft == "lowbit" else "full"
 
 
+class MoeConfig(_Strict):
+    """Expert offloading for a MoEfied model (docs/moe.md, issue 19): every expert's weights in
+    a slow tier (a memory-mapped file whose pages are dropped on eviction), a fast tier of at
+    most ``capacity`` of them, and a predictor that prefetches the next layers' experts.
+    Without this section a MoEfied model keeps every expert resident (the reference)."""
+
+    predictor: Literal["none", "pregate"] = "none"
+    """"none": on-demand loads only; "pregate": layer j's router on layer l's MLP input
+    (Pre-gated MoE) names the experts of layers l+1..l+lookahead ahead of time."""
+    lookahead: int = Field(1, ge=1)
+    """How many layers ahead the predictor prefetches (d)."""
+    capacity: float | None = Field(None, gt=0.0, le=1.0)
+    """Fast-tier size as a fraction of all experts (default 1.0: every expert fits)."""
+    fast_tier_bytes: int | None = Field(None, ge=1)
+    """Fast-tier size in bytes (instead of ``capacity``)."""
+    slow_tier_dir: str | None = None
+    """Directory of the slow-tier file (written at load, removed at exit); default: a new
+    temporary directory. Put it on a real disk: a tmpfs has no page cache to drop."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MoeConfig:
+        if self.capacity is not None and self.fast_tier_bytes is not None:
+            raise ValueError('give "capacity" (a fraction) or "fast_tier_bytes", not both')
+        if self.predictor == "none" and "lookahead" in self.model_fields_set:
+            raise ValueError('"lookahead" is for a predictor; predictor "none" prefetches nothing')
+        return self
+
+
 class AdaptiveConfig(_Strict):
     """Engine-wide adaptive settings (one per vLLM engine)."""
 
@@ -489,9 +517,17 @@ class AdaptiveConfig(_Strict):
     precision: PrecisionConfig | None = None
     depth: DepthConfig | None = None
     speculative: SpeculativeConfig | None = None
+    moe: MoeConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AdaptiveConfig:
+        if self.moe is not None and (
+            self.precision is not None or self.depth is not None or self.speculative is not None
+        ):
+            raise ValueError(
+                '"moe" cannot be combined with "precision", "depth" or "speculative" yet: '
+                "those mechanisms manage the dense Llama MLP, which a MoEfied model replaces"
+            )
         if self.precision is not None and self.depth is not None:
             raise ValueError(
                 '"precision" and "depth" cannot be combined yet: gear plans are made per '
@@ -512,7 +548,10 @@ class AdaptiveConfig(_Strict):
     @property
     def any_mechanism_enabled(self) -> bool:
         return self.mode == "on" and (
-            self.precision is not None or self.depth is not None or self.speculative is not None
+            self.precision is not None
+            or self.depth is not None
+            or self.speculative is not None
+            or self.moe is not None
         )
 
     @property
@@ -526,6 +565,10 @@ class AdaptiveConfig(_Strict):
     @property
     def active_speculative(self) -> SpeculativeConfig | None:
         return self.speculative if self.mode == "on" else None
+
+    @property
+    def active_moe(self) -> MoeConfig | None:
+        return self.moe if self.mode == "on" else None
 
 
 def format_validation_error(err: ValidationError, root: str) -> str:

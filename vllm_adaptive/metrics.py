@@ -23,7 +23,20 @@ in prometheus_client's default registry, which vLLM's ``/metrics`` serves:
                                                      mid, high; off: adaptive_mode "off")
 ``vllm_adaptive:gear_shifts_total``         counter  gear changes between consecutive decode
                                                      tokens of a request
+``vllm_adaptive:moe_tokens_total``          counter  tokens through a tiered MoE model
+``vllm_adaptive:moe_expert_hits_total``     counter  experts a layer needed that were READY
+                                                     in the fast tier
+``vllm_adaptive:moe_expert_misses_total``   counter  ... absent or still loading
+``vllm_adaptive:moe_expert_loads_total``    counter  slow-tier loads (on demand + prefetch)
+``vllm_adaptive:moe_expert_evictions_total`` counter fast-tier evictions
+``vllm_adaptive:moe_stall_seconds_total``   counter  compute waiting for expert loads
+``vllm_adaptive:moe_read_bytes_total``      counter  bytes read from the slow tier
+``vllm_adaptive:moe_expert_hit_rate``       gauge    hits / (hits + misses) (absent before
+                                                     the first expert is needed)
 ==========================================  =======  =====================================
+
+MoE engines (``adaptive.moe``, ``moe/runtime.py``) count the ``moe_`` families and their forward
+time; the stall per token is ``moe_stall_seconds_total / moe_tokens_total``.
 
 Depth engines count exits; precision engines count every decode token at full depth (all
 layers run, at some precision) and add the gear families. The families are exported on every
@@ -89,10 +102,30 @@ COUNTERS = (
         "gear_shifts",
         "Precision gear changes between consecutive decode tokens of a request.",
     ),
+    ("moe_tokens_total", "moe_tokens", "Tokens run through a tiered MoE model."),
+    (
+        "moe_expert_hits_total",
+        "moe_hits",
+        "Experts a layer needed that were ready in the fast tier.",
+    ),
+    (
+        "moe_expert_misses_total",
+        "moe_misses",
+        "Experts a layer needed that were absent from the fast tier or still loading.",
+    ),
+    ("moe_expert_loads_total", "moe_loads", "Expert loads from the slow tier."),
+    ("moe_expert_evictions_total", "moe_evictions", "Experts evicted from the fast tier."),
+    (
+        "moe_stall_seconds_total",
+        "moe_stall_seconds",
+        "Seconds the MoE compute waited for expert loads.",
+    ),
+    ("moe_read_bytes_total", "moe_bytes_read", "Bytes read from the expert slow tier."),
 )
 EXIT_TOKENS = "exit_tokens_total"
 GEAR_TOKENS = "gear_tokens_total"
 MEAN_DEPTH = "mean_decode_depth"
+MOE_HIT_RATE = "moe_expert_hit_rate"
 MIN_REFRESH_INTERVAL_S = 1.0
 
 
@@ -195,14 +228,21 @@ class AdaptiveTelemetryCollector(Collector):
             "Decode tokens by the precision gear they ran at (off: adaptive_mode off).",
             labels=["gear"],
         )
+        hit_rate = GaugeMetricFamily(
+            PREFIX + MOE_HIT_RATE,
+            "Fraction of needed experts that were ready in the fast tier (cumulative).",
+        )
         if totals is not None:
+            demanded = totals["moe_hits"] + totals["moe_misses"]
+            if demanded > 0:
+                hit_rate.add_metric([], totals["moe_hits"] / demanded)
             for depth, count in totals["exit_tokens"].items():
                 exits.add_metric([depth], count)
             if totals["decode_tokens"] > 0:
                 mean.add_metric([], totals["layers_executed"] / totals["decode_tokens"])
             for gear, count in totals["gear_tokens"].items():
                 gears.add_metric([gear], count)
-        return [*families, exits, mean, gears]
+        return [*families, exits, mean, gears, hit_rate]
 
     def describe(self) -> list[Metric]:
         return self._families(None)

@@ -101,21 +101,30 @@ def engine_request_check(vllm_config: Any) -> Callable[[Any], None]:
 
 def check_architecture_supported(vllm_config: Any) -> None:
     """Refuse an adaptive config for an architecture without an adaptive class."""
-    from vllm_adaptive.architectures import ADAPTIVE_ARCHITECTURES
-    from vllm_adaptive.config import adaptive_config_from_vllm
+    from vllm_adaptive.architectures import (
+        ADAPTIVE_ARCHITECTURES,
+        OWN_ARCHITECTURES,
+        supported_architectures,
+    )
+    from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
 
-    if vllm_config is None or adaptive_config_from_vllm(vllm_config) is None:
+    if vllm_config is None:
+        return
+    adaptive = adaptive_config_from_vllm(vllm_config)
+    if adaptive is None:
         return
     archs = list(getattr(vllm_config.model_config, "architectures", None) or [])
-    supported = {a.stock for a in ADAPTIVE_ARCHITECTURES} | {
-        a.adaptive for a in ADAPTIVE_ARCHITECTURES
-    }
-    if not supported.intersection(archs):
-        from vllm_adaptive.config import AdaptiveConfigError
-
+    if not supported_architectures().intersection(archs):
         raise AdaptiveConfigError(
             f"adaptive: no adaptive model class for architecture {archs}; "
-            f"supported: {sorted(a.stock for a in ADAPTIVE_ARCHITECTURES)}"
+            f"supported: {sorted(a.stock for a in ADAPTIVE_ARCHITECTURES)} and "
+            f"{sorted(a.name for a in OWN_ARCHITECTURES)}"
+        )
+    moe_archs = {a.name for a in OWN_ARCHITECTURES if "moe" in a.sections}
+    if adaptive.moe is not None and not moe_archs.intersection(archs):
+        raise AdaptiveConfigError(
+            f"adaptive.moe: the model ({archs}) is not MoEfied; expert tiers need one of "
+            f"{sorted(moe_archs)} (docs/moe.md)"
         )
 
 

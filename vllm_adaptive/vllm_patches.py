@@ -14,7 +14,8 @@ before engines and the HTTP app are built), :func:`apply_at_register`:
     ``ModelRegistry``: every adaptive architecture's stock name (``LlamaForCausalLM``, ...)
     gets a dispatcher (``models/dispatch.py``) that builds the stock class unless the engine's
     ``additional_config`` has an ``adaptive`` section, and the adaptive classes are registered
-    under their own names.
+    under their own names, as are the plugin's own architectures (``OWN_ARCHITECTURES``: the
+    MoEfied Llama), which have no stock class.
 ``admission-check``
     ``InputProcessor._build_logits_processors_params_validator`` (every engine front: ``LLM``,
     ``AsyncLLM``): the per-request validator it returns also checks the adaptive overrides
@@ -182,20 +183,19 @@ def _patched(fn: Any) -> bool:
 def _patch_model_registry() -> bool:
     from vllm import ModelRegistry
 
-    from vllm_adaptive.architectures import ADAPTIVE_ARCHITECTURES
+    from vllm_adaptive.architectures import registry_entries
 
     changed = False
-    for arch in ADAPTIVE_ARCHITECTURES:
-        for name, target in ((arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)):
-            current = ModelRegistry.models.get(name)
-            module, _, cls = target.partition(":")
-            if (
-                getattr(current, "module_name", None) == module
-                and getattr(current, "class_name", None) == cls
-            ):
-                continue
-            ModelRegistry.register_model(name, target)
-            changed = True
+    for name, target in registry_entries():
+        current = ModelRegistry.models.get(name)
+        module, _, cls = target.partition(":")
+        if (
+            getattr(current, "module_name", None) == module
+            and getattr(current, "class_name", None) == cls
+        ):
+            continue
+        ModelRegistry.register_model(name, target)
+        changed = True
     return changed
 
 

@@ -178,7 +178,7 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
 
 
 def test_collector_exports_file_totals(tmp_path: Path) -> None:
-    from vllm_adaptive.metrics import AdaptiveTelemetryCollector
+    from vllm_adaptive.metrics import COUNTERS, AdaptiveTelemetryCollector
 
     other = {
         "decode_tokens": 10,
@@ -210,6 +210,11 @@ def test_collector_exports_file_totals(tmp_path: Path) -> None:
         ("vllm_adaptive:mean_decode_depth", ()): 3000.0 / 120.0,
         ("vllm_adaptive:gear_tokens_total", (("gear", "high"),)): 4.0,
         ("vllm_adaptive:gear_tokens_total", (("gear", "low"),)): 6.0,
+        **{
+            (f"vllm_adaptive:{name}", ()): 0.0
+            for name, key, _ in COUNTERS
+            if key.startswith("moe_")
+        },
     }
     text = generate_latest(registry).decode()
     assert "# TYPE vllm_adaptive:decode_tokens_total counter" in text
@@ -226,7 +231,7 @@ def test_collector_exports_file_totals(tmp_path: Path) -> None:
 
 
 def test_collector_empty_dir_and_reader_errors(tmp_path: Path) -> None:
-    from vllm_adaptive.metrics import AdaptiveTelemetryCollector
+    from vllm_adaptive.metrics import COUNTERS, AdaptiveTelemetryCollector
 
     registry = CollectorRegistry()
     registry.register(AdaptiveTelemetryCollector(reader=lambda: read_engine_stats(tmp_path)))
@@ -239,7 +244,8 @@ def test_collector_empty_dir_and_reader_errors(tmp_path: Path) -> None:
 
     collector = AdaptiveTelemetryCollector(reader=broken)
     assert collector.refresh() is False  # logged, not raised
-    assert len(collector.collect()) == 8
+    assert len(collector.collect()) == len(COUNTERS) + 4  # + exits, mean depth, gears, hit rate
+    assert not any(name.endswith("moe_expert_hit_rate") for name, _ in samples)
 
 
 def test_stat_logger_record_refreshes_and_double_registration_is_safe(
@@ -262,3 +268,30 @@ def test_stat_logger_record_refreshes_and_double_registration_is_safe(
     loggers[1].record(None, None, engine_idx=0)
     assert collector.totals["decode_tokens"] == 100.0
     loggers[0].log_engine_initialized()
+
+
+def test_collector_exports_moe_totals(tmp_path: Path) -> None:
+    from vllm_adaptive.metrics import AdaptiveTelemetryCollector
+
+    moe = {
+        "mechanism": "moe",
+        "moe_tokens": 40,
+        "moe_hits": 30,
+        "moe_misses": 10,
+        "moe_loads": 12,
+        "moe_evictions": 4,
+        "moe_stall_seconds": 0.25,
+        "moe_bytes_read": 4096,
+        "forward_seconds": 1.0,
+    }
+    write_engine_stats(moe, tmp_path)
+    collector = AdaptiveTelemetryCollector(reader=lambda: read_engine_stats(tmp_path))
+    registry = CollectorRegistry()
+    registry.register(collector)
+    got = _samples(registry)
+    assert got[("vllm_adaptive:moe_expert_hits_total", ())] == 30.0
+    assert got[("vllm_adaptive:moe_expert_misses_total", ())] == 10.0
+    assert got[("vllm_adaptive:moe_stall_seconds_total", ())] == 0.25
+    assert got[("vllm_adaptive:moe_read_bytes_total", ())] == 4096.0
+    assert got[("vllm_adaptive:moe_expert_hit_rate", ())] == 0.75
+    assert "# TYPE vllm_adaptive:moe_expert_hit_rate gauge" in generate_latest(registry).decode()

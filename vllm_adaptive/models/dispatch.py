@@ -48,6 +48,11 @@ def _dispatch(dispatcher: type, stock: type, adaptive_path: str, cls: type, args
         return object.__new__(cls)
     if adaptive is None:
         return stock(*args, **kwargs)
+    if adaptive.moe is not None:
+        raise AdaptiveConfigError(
+            f"adaptive.moe: {stock.__name__} is not a MoEfied model; expert tiers need a "
+            "MoefiedLlamaForCausalLM checkpoint (docs/moe.md)"
+        )
     model_cls = _load(adaptive_path)
     logger.info("vllm-adaptive: using %s with %s", model_cls.__name__, adaptive.model_dump())
     return model_cls(*args, **kwargs)

@@ -1,0 +1,108 @@
+"""The MoEfied Llama in a real engine: experts offloaded to the slow tier with a fast tier of
+25% of them give the same greedy tokens as the same model with every expert resident.
+
+The model is the **mechanics fixture** of ``tests/support/moefied.py`` (the default dense model
+split into 8 experts by the identity permutation, with a random top-4 router): its text means
+nothing and no hit rate measured here says anything about a real MoE. One engine pair, one at a
+time: all-resident (no ``adaptive`` section), then tiered (``capacity`` 0.25, ``pregate``
+looking 2 layers ahead), whose predictor is then switched to ``none`` on the same engine. The
+workload is one batch of several greedy prompts, two sharing a prefix longer than a KV block,
+run twice (the second run reads the prefix cache), on the suite's engine arguments (prefix
+caching, chunked prefill, a small KV cache).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import make_llm, metric, shutdown
+from tests.support.moefied import build_mechanics_moefied
+from tests.support.workloads import PROMPTS
+from vllm_adaptive.models.moefied_llama import moe_stats, reset_moe_stats, set_moe_predictor
+
+SHARED = "Here is a long list of facts about the planets of the solar system. " * 12
+BATCH = [*PROMPTS[:5], SHARED + "Mercury is", SHARED + "Neptune is"]
+MAX_TOKENS = 16
+TIERED = {"adaptive": {"moe": {"capacity": 0.25, "predictor": "pregate", "lookahead": 2}}}
+
+
+def _generate(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for _ in range(2):  # the second run hits the prefix cache
+        outs = llm.generate(BATCH, params, use_tqdm=False)
+        runs.append([list(o.outputs[0].token_ids) for o in outs])
+    return runs[0] + runs[1]
+
+
+@pytest.fixture(scope="module")
+def moefied_dir(model_dir: Path, tmp_path_factory) -> Path:
+    return build_mechanics_moefied(model_dir, tmp_path_factory.mktemp("moefied") / "model")
+
+
+@pytest.fixture(scope="module")
+def runs(moefied_dir: Path) -> dict:
+    out: dict = {}
+    llm = make_llm(moefied_dir, {})
+    try:
+        out["resident"] = _generate(llm)
+        (out["resident_stats"],) = llm.apply_model(moe_stats)
+    finally:
+        shutdown(llm)
+    llm = make_llm(moefied_dir, TIERED)
+    try:
+        llm.apply_model(reset_moe_stats)  # leave out the profiling run
+        out["pregate"] = _generate(llm)
+        (out["pregate_stats"],) = llm.apply_model(moe_stats)
+        llm.apply_model(reset_moe_stats)
+        llm.apply_model(partial(set_moe_predictor, name="none"))
+        llm.reset_prefix_cache()
+        out["none"] = _generate(llm)
+        (out["none_stats"],) = llm.apply_model(moe_stats)
+        out["prefix_hits"] = metric(llm, "vllm:prefix_cache_hits")
+    finally:
+        shutdown(llm)
+    for name in ("pregate", "none"):  # shown with -s (mechanics fixture: no claims)
+        s = out[f"{name}_stats"]
+        keys = ("slots", "hits", "misses", "loads", "evictions", "stall_seconds", "tokens")
+        print(name, {k: s[k] for k in keys}, "prediction", s["prediction"])
+    print("slow tier cold read MB/s", out["pregate_stats"]["slow_tier_cold_read_bytes_per_s"] / 1e6)
+    return out
+
+
+def test_resident_reference_is_nontrivial(runs) -> None:
+    assert runs["resident_stats"] is None  # no adaptive section: every expert resident
+    seqs = runs["resident"]
+    assert len(seqs) == 2 * len(BATCH) and all(len(s) == MAX_TOKENS for s in seqs)
+    assert len({tuple(s) for s in seqs[: len(BATCH)]}) > 1
+
+
+@pytest.mark.parametrize("predictor", ["pregate", "none"])
+def test_tiered_output_is_the_resident_output(runs, predictor) -> None:
+    for i, (got, ref) in enumerate(zip(runs[predictor], runs["resident"], strict=True)):
+        first = next((j for j, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
+        assert first is None, f"{predictor}: sequence {i} diverges at token {first}"
+
+
+@pytest.mark.parametrize("predictor", ["pregate", "none"])
+def test_tiers_evicted_and_never_computed_an_unready_expert(runs, predictor) -> None:
+    s = runs[f"{predictor}_stats"]
+    assert s["slots"] == int(0.25 * s["experts"])
+    assert s["violations"] == 0
+    assert s["evictions"] > 0 and s["loads"] > s["slots"]
+    assert s["misses"] > 0 and s["stall_seconds"] > 0
+    assert s["slow_tier_cold_read_bytes_per_s"] > 0
+    if predictor == "pregate":
+        assert s["prefetches"] > 0
+        assert set(s["prediction"]) == {"1", "2"}
+    else:
+        assert s["prefetches"] == 0 and s["prediction"] == {}
+
+
+def test_prefix_cache_was_used(runs) -> None:
+    assert runs["prefix_hits"] > 0

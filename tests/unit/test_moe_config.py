@@ -1,0 +1,86 @@
+"""The ``adaptive.moe`` section and the MoEfied architecture's place in the registry."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_adaptive.config import AdaptiveConfigError, parse_adaptive_config
+
+
+def test_defaults_and_valid_sections() -> None:
+    moe = parse_adaptive_config({"moe": {}}).moe
+    assert (moe.predictor, moe.lookahead, moe.capacity, moe.fast_tier_bytes) == (
+        "none",
+        1,
+        None,
+        None,
+    )
+    cfg = parse_adaptive_config({"moe": {"predictor": "pregate", "lookahead": 3, "capacity": 0.25}})
+    assert cfg.active_moe is cfg.moe and cfg.any_mechanism_enabled
+    assert parse_adaptive_config({"moe": {"capacity": 1}}).moe.capacity == 1.0
+    assert parse_adaptive_config({"moe": {"fast_tier_bytes": 10**8}}).moe.fast_tier_bytes == 10**8
+    off = parse_adaptive_config({"mode": "off", "moe": {}})
+    assert off.active_moe is None and not off.any_mechanism_enabled
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"capacity": 0}, "adaptive.moe.capacity: Input should be greater than 0"),
+        ({"capacity": 1.5}, "adaptive.moe.capacity: Input should be less than or equal to 1"),
+        ({"capacity": True}, "adaptive.moe.capacity"),
+        ({"capacity": "0.5"}, "adaptive.moe.capacity"),
+        ({"fast_tier_bytes": 0}, "adaptive.moe.fast_tier_bytes"),
+        ({"fast_tier_bytes": 1.5}, "adaptive.moe.fast_tier_bytes"),
+        ({"capacity": 0.5, "fast_tier_bytes": 10}, "not both"),
+        ({"predictor": "m2r2"}, "adaptive.moe.predictor"),
+        ({"predictor": "pregate", "lookahead": 0}, "adaptive.moe.lookahead"),
+        ({"lookahead": 2}, 'predictor "none" prefetches nothing'),
+        ({"bogus": 1}, "adaptive.moe.bogus: unknown key"),
+    ],
+)
+def test_bad_sections_name_the_key(section, message) -> None:
+    with pytest.raises(AdaptiveConfigError, match=message.replace("(", r"\(")):
+        parse_adaptive_config({"moe": section})
+
+
+def test_moe_does_not_combine_with_the_dense_mechanisms() -> None:
+    with pytest.raises(AdaptiveConfigError, match='"moe" cannot be combined'):
+        parse_adaptive_config({"moe": {}, "speculative": {"draft": "early"}})
+
+
+def _vllm_config(archs, additional):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(architectures=archs), additional_config=additional
+    )
+
+
+def test_moe_section_refused_for_a_model_that_is_not_moefied() -> None:
+    from vllm_adaptive.request_overrides import check_architecture_supported
+
+    check_architecture_supported(_vllm_config(["MoefiedLlamaForCausalLM"], {"adaptive": {}}))
+    check_architecture_supported(
+        _vllm_config(["MoefiedLlamaForCausalLM"], {"adaptive": {"moe": {"capacity": 0.5}}})
+    )
+    check_architecture_supported(_vllm_config(["LlamaForCausalLM"], {"adaptive": {}}))
+    for arch in ("LlamaForCausalLM", "Gemma3ForCausalLM"):
+        with pytest.raises(AdaptiveConfigError, match=r"adaptive\.moe: .* is not MoEfied"):
+            check_architecture_supported(_vllm_config([arch], {"adaptive": {"moe": {}}}))
+
+
+def test_registry_entries_include_the_own_architecture() -> None:
+    from vllm_adaptive.architectures import (
+        OWN_ARCHITECTURES,
+        registry_entries,
+        supported_architectures,
+    )
+
+    entries = dict(registry_entries())
+    assert entries["MoefiedLlamaForCausalLM"] == (
+        "vllm_adaptive.models.moefied_llama:MoefiedLlamaForCausalLM"
+    )
+    assert entries["LlamaForCausalLM"].endswith(":LlamaForCausalLMDispatch")
+    assert entries["AdaptiveLlamaForCausalLM"].endswith(":AdaptiveLlamaForCausalLM")
+    assert {a.name for a in OWN_ARCHITECTURES} <= supported_architectures()

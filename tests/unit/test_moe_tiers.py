@@ -1,0 +1,279 @@
+"""Expert tiers, the tiered MoE runtime and the predictors on tiny tensors (no vLLM engine).
+
+Random weights throughout: these test mechanics only (LRU, pins, byte bound, page dropping,
+the loader thread, the READY check, bitwise equality with the all-resident compute), never
+quality or hit rates."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_adaptive.moe.predictors import ExpertPredictor, PregatePredictor, make_predictor
+from vllm_adaptive.moe.runtime import (
+    MoeRuntime,
+    expert_cols,
+    expert_forward,
+    expert_rows,
+    moe_resident,
+    route,
+)
+from vllm_adaptive.moe.tiers import LOADING, PAGE, READY, FastTier, RecordLayout, SlowTier
+
+H, M = 8, 4  # hidden, expert intermediate size
+LAYOUT = RecordLayout((("gate_up", (2 * M, H)), ("down", (H, M))), torch.float32)
+
+
+def _weights(layers: int, experts: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        (layer, e): {
+            "gate_up": torch.randn(2 * M, H, generator=g),
+            "down": torch.randn(H, M, generator=g),
+        }
+        for layer in range(layers)
+        for e in range(experts)
+    }
+
+
+@pytest.fixture
+def slow(tmp_path):
+    w = _weights(2, 4)
+    tier = SlowTier.write(tmp_path / "experts.bin", 2, 4, LAYOUT, lambda a, b: w[a, b])
+    yield tier, w
+    tier.close()
+
+
+def _ready(fast: FastTier, key) -> None:
+    assert fast.demand(key)
+    fast.acquire(key)
+    fast.unpin(key)
+
+
+def test_records_are_page_aligned_and_round_trip(slow) -> None:
+    tier, w = slow
+    assert LAYOUT.stride % PAGE == 0 and LAYOUT.stride >= LAYOUT.nbytes
+    assert tier.path.stat().st_size == 8 * LAYOUT.stride
+    assert tier.resident_fraction((1, 2)) in (0, None)  # written, then dropped: loads are cold
+    fast = FastTier(tier, 3)
+    try:
+        for key in [(1, 2), (0, 0)]:
+            _ready(fast, key)
+            got = fast.views(key)
+            assert torch.equal(got["gate_up"], w[key]["gate_up"])
+            assert torch.equal(got["down"], w[key]["down"])
+    finally:
+        fast.executor.shutdown()
+
+
+def test_byte_bound(slow) -> None:
+    tier, _ = slow
+    fast = FastTier(tier, 3)
+    assert fast.nbytes == 3 * LAYOUT.stride
+    for key in [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]:
+        _ready(fast, key)
+        assert len(fast.where) <= 3
+    assert fast.nbytes == 3 * LAYOUT.stride  # preallocated, never grows
+    assert fast.stats.evictions == 3
+    fast.executor.shutdown()
+    with pytest.raises(ValueError):
+        FastTier(tier, 0)
+
+
+def test_lru_order(slow) -> None:
+    tier, _ = slow
+    fast = FastTier(tier, 2)
+    _ready(fast, (0, 0))
+    _ready(fast, (0, 1))
+    _ready(fast, (0, 0))  # (0, 1) is now the least recently used
+    _ready(fast, (0, 2))
+    fast.drain()
+    assert fast.resident((0, 0)) and fast.resident((0, 2)) and not fast.resident((0, 1))
+    assert fast.stats.hits == 1 and fast.stats.misses == 3 and fast.stats.loads == 3
+    fast.executor.shutdown()
+
+
+def test_pins(slow) -> None:
+    tier, _ = slow
+    fast = FastTier(tier, 2)
+    assert fast.demand((0, 0))  # hard-pinned until unpinned
+    assert fast.start_load((1, 0), soft=True)  # prefetched: soft-pinned
+    # a prefetch evicts neither a hard nor a soft pin
+    assert not fast.start_load((1, 1), soft=True)
+    assert fast.stats.prefetch_skipped == 1
+    fast.drain()  # a slot still loading is never evicted
+    # an on-demand load may evict a soft pin, never a hard one
+    assert fast.demand((0, 3))
+    assert fast.resident((0, 0)) and not fast.resident((1, 0))
+    # every slot hard-pinned: no load can start; load_blocking says so instead of hanging
+    assert not fast.start_load((0, 2), allow_soft_evict=True)
+    fast.drain()
+    with pytest.raises(RuntimeError, match="pinned"):
+        fast.load_blocking((0, 2))
+    fast.acquire((0, 0))
+    fast.unpin((0, 0))
+    fast.load_blocking((0, 2))  # (0, 0) is free now
+    assert not fast.resident((0, 0))
+    fast.acquire((0, 2))
+    fast.unpin((0, 2))
+    with pytest.raises(RuntimeError, match="not pinned"):
+        fast.unpin((0, 2))
+    fast.executor.shutdown()
+
+
+def test_eviction_drops_pages(slow) -> None:
+    tier, _ = slow
+    fast = FastTier(tier, 1)
+    _ready(fast, (0, 0))
+    before = tier.resident_fraction((0, 0))
+    _ready(fast, (1, 3))  # evicts (0, 0): its pages are dropped on the loader thread
+    fast.drain()
+    assert (0, 0) in tier.drop_calls
+    after = tier.resident_fraction((0, 0))
+    if before is not None:  # mincore available
+        assert before > 0
+        assert after == 0
+        # a load reads its own record only: no read-around into the neighbours
+        assert tier.resident_fraction((1, 2)) == 0 and tier.resident_fraction((0, 1)) == 0
+    fast.executor.shutdown()
+
+
+def test_loads_run_on_the_background_thread(slow) -> None:
+    tier, _ = slow
+    fast = FastTier(tier, 2)
+    _ready(fast, (0, 1))
+    assert fast.loader_threads and threading.get_ident() not in fast.loader_threads
+    fast.executor.shutdown()
+
+
+def test_stall_and_ready_check(slow, monkeypatch) -> None:
+    tier, _ = slow
+    fast = FastTier(tier, 2)
+    gate = threading.Event()
+    read = tier.read_into
+
+    def slow_read(key, dst):
+        gate.wait(5)
+        time.sleep(0.05)
+        read(key, dst)
+
+    monkeypatch.setattr(tier, "read_into", slow_read)
+    assert fast.demand((0, 2))
+    assert fast.state((0, 2)) == LOADING
+    assert fast.stats.violations == 0
+    fast.views((0, 2))  # computing from a slot still loading: a violation, counted
+    assert fast.stats.violations == 1
+    gate.set()
+    fast.acquire((0, 2))
+    assert fast.state((0, 2)) == READY
+    assert fast.stats.stall_seconds >= 0.04
+    fast.views((0, 2))
+    assert fast.stats.violations == 1
+    fast.executor.shutdown()
+
+
+def test_measure_bandwidth(slow) -> None:
+    tier, _ = slow
+    bw = tier.measure_bandwidth([(0, 0), (1, 1)])
+    assert bw["records"] == 2 and bw["bytes"] == 2 * LAYOUT.nbytes and bw["bytes_per_s"] > 0
+
+
+# -- the MoE compute ---------------------------------------------------------------------------
+
+
+def test_expert_split_matches_the_masked_dense_mlp() -> None:
+    """Experts cut from permuted dense weights, summed over the selected ones, equal the dense
+    MLP with the unselected experts' neurons zeroed (the reference forward of docs/moe.md)."""
+    g = torch.Generator().manual_seed(1)
+    e, k, inter, tokens = 4, 2, 4 * M, 5
+    gate, up = torch.randn(inter, H, generator=g), torch.randn(inter, H, generator=g)
+    down = torch.randn(H, inter, generator=g).double()
+    gate, up = gate.double(), up.double()
+    router = torch.randn(e, H, generator=g).double()
+    x = torch.randn(tokens, H, generator=g).double()
+    gate_up = torch.cat([expert_rows(gate, e), expert_rows(up, e)], dim=1)
+    w_down = expert_cols(down, e)
+    mask = route(x, router, k)
+    assert mask.sum(1).tolist() == [k] * tokens
+    got = moe_resident(x, mask, lambda i: (gate_up[i], w_down[i]))
+    a = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+    ref = (a * mask.repeat_interleave(M, dim=1)) @ down.T
+    torch.testing.assert_close(got, ref)
+    # with every expert selected it is the dense MLP
+    every = torch.ones(tokens, e, dtype=torch.bool)
+    torch.testing.assert_close(
+        moe_resident(x, every, lambda i: (gate_up[i], w_down[i])), a @ down.T
+    )
+    assert expert_forward(x[:1], gate_up[0], w_down[0]).shape == (1, H)
+
+
+@pytest.mark.parametrize("predictor", ["none", "pregate"])
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots) -> None:
+    layers, e, k = 4, 4, 2
+    w = _weights(layers, e, seed=3)
+    g = torch.Generator().manual_seed(4)
+    routers = [torch.randn(e, H, generator=g) for _ in range(layers)]
+    tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
+    fast = FastTier(tier, slots)
+    pred = make_predictor(predictor, 2 if predictor == "pregate" else 1)
+    pred.bind(routers, k)
+    rt = MoeRuntime(fast, pred, layers, e, k)
+    try:
+        for step in range(3):
+            x = torch.randn(3 + step, H, generator=g)
+            x_ref = x.clone()
+            for layer in range(layers):
+                mask = route(x, routers[layer], k)
+                got = rt.layer(layer, x, None, mask)
+                ref = moe_resident(
+                    x_ref, mask, lambda i, la=layer: (w[la, i]["gate_up"], w[la, i]["down"])
+                )
+                assert torch.equal(got, ref)
+                x, x_ref = x + got, x_ref + ref
+            rt.end_step(0.0)
+        s = rt.stats()
+        assert s["violations"] == 0
+        assert s["hits"] + s["misses"] > 0
+        if slots < layers * e:
+            assert s["evictions"] > 0
+        if predictor == "pregate":
+            assert s["prefetches"] + s["prefetch_skipped"] > 0
+            assert set(s["prediction"]) == {"1", "2"}
+            assert 0 < s["prediction"]["1"]["recall"] <= 1
+        else:
+            assert s["prefetches"] == 0 and s["prediction"] == {}
+        assert all(not sl.pins for sl in fast.slots)
+    finally:
+        fast.close()
+
+
+# -- predictors --------------------------------------------------------------------------------
+
+
+def test_pregate_names_the_next_layers_topk_union() -> None:
+    g = torch.Generator().manual_seed(5)
+    routers = [torch.randn(6, H, generator=g) for _ in range(4)]
+    p = PregatePredictor(lookahead=2)
+    p.bind(routers, 2)
+    x = torch.randn(3, H, generator=g)
+    out = p.predict(1, x, None)
+    assert sorted(out) == [2, 3]
+    for j, experts in out.items():
+        want = sorted(set((x @ routers[j].T).topk(2, dim=-1).indices.flatten().tolist()))
+        assert experts == want
+    assert sorted(p.predict(2, x, None)) == [3]  # clipped at the last layer
+    assert p.predict(3, x, None) == {}
+    assert p.predict(0, x[:0], None) == {}
+
+
+def test_none_predicts_nothing_and_names_are_checked() -> None:
+    p = make_predictor("none")
+    assert isinstance(p, ExpertPredictor) and p.predict(0, torch.zeros(2, H), None) == {}
+    with pytest.raises(ValueError, match="unknown predictor"):
+        make_predictor("m2r2")
+    with pytest.raises(ValueError):
+        PregatePredictor(lookahead=0)

@@ -1,0 +1,451 @@
+"""Expert tiers: a slow tier on disk and a bounded fast tier in memory (mechanism, no policy).
+
+**Slow tier** (:class:`SlowTier`): one file holding every expert's weights, one contiguous
+record per (layer, expert), each record starting on a page boundary (so a record's pages belong
+to it alone), memory-mapped read-only, without read-around (``MADV_RANDOM``: reading one
+record must not pull its neighbours into the page cache) and with one ``MADV_WILLNEED`` of
+exactly the record before each copy. The file's pages leave the page cache once written, so
+first loads are cold too. Dropping a record (:meth:`SlowTier.drop`) removes its
+pages from this process's mapping (``madvise(MADV_DONTNEED)``) and from the page cache
+(``posix_fadvise(POSIX_FADV_DONTNEED)``), so the next read of that record really comes from the
+disk. :meth:`SlowTier.measure_bandwidth` times cold reads of a few records after dropping them.
+
+**Fast tier** (:class:`FastTier`): a fixed number of preallocated slots (one record each,
+bounded in bytes by the caller), an LRU over them plus two kinds of pins: hard pins (an expert
+the current layer is about to compute; never evicted) and soft pins (an expert a predictor
+prefetched for a later layer; evicted only by an on-demand load that finds nothing else). Loads
+run on one background thread (``ThreadPoolExecutor(1)``): the job drops the evicted record's
+pages, then copies the new record from the mapping into the slot. The state machine (EMPTY,
+LOADING, READY) is only changed by the caller's thread; the loader thread only copies.
+:meth:`FastTier.acquire` returns an expert ready for compute, waiting on its load only when it
+is not ready yet: that wait is the stall time. :meth:`FastTier.views` is the only way to read a
+slot's weights and checks that the slot is READY and holds the asked (layer, expert); a
+failure of that check counts in ``stats.violations`` (must stay 0) and is logged.
+
+Which experts to load, pin and prefetch is the caller's business (``moe/runtime.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.adaptive.moe")
+
+PAGE = mmap.PAGESIZE
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """The parts of one expert record: name -> shape, all of one dtype, packed in order."""
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    dtype: torch.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """name -> (byte offset, byte length) inside a record."""
+        out, off = {}, 0
+        for name, shape in self.parts:
+            n = math.prod(shape) * self.itemsize
+            out[name] = (off, n)
+            off += n
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.offsets().values())
+
+    @property
+    def stride(self) -> int:
+        """Bytes between records: the record rounded up to whole pages."""
+        return -(-self.nbytes // PAGE) * PAGE
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name or "libc.so.6", use_errno=True)
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+class SlowTier:
+    """The file of all experts' records, memory-mapped read-only (see the module docstring)."""
+
+    def __init__(
+        self, path: str | os.PathLike, num_layers: int, num_experts: int, layout: RecordLayout
+    ) -> None:
+        self.path = Path(path)
+        self.num_layers, self.num_experts, self.layout = num_layers, num_experts, layout
+        self.size = num_layers * num_experts * layout.stride
+        self.fd = os.open(self.path, os.O_RDONLY)
+        actual = os.fstat(self.fd).st_size
+        if actual != self.size:
+            os.close(self.fd)
+            raise ValueError(f"{self.path}: {actual} bytes, expected {self.size}")
+        self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        # No read-around on page faults: with it, reading one record pulls the neighbouring
+        # records' pages into the page cache (measured: the whole next record), and their
+        # later "cold" loads would be warm. read_into asks for exactly one record instead.
+        self.mm.madvise(mmap.MADV_RANDOM)
+        self._bytes = np.frombuffer(self.mm, dtype=np.uint8)
+        self.bytes_read = 0
+        self.drops = 0
+        self.drop_calls: list[Key] = []  # the last drops, for tests (bounded)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    @classmethod
+    def write(
+        cls,
+        path: str | os.PathLike,
+        num_layers: int,
+        num_experts: int,
+        layout: RecordLayout,
+        records: Callable[[int, int], Mapping[str, torch.Tensor]],
+    ) -> SlowTier:
+        """Write every record (``records(layer, expert)`` gives its parts), flush it to disk and
+        open the file. The file is written whole before anything maps it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        offsets = layout.offsets()
+        shapes = dict(layout.parts)
+        buf = bytearray(layout.stride)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for layer in range(num_layers):
+                for expert in range(num_experts):
+                    parts = records(layer, expert)
+                    for name, (off, n) in offsets.items():
+                        t = parts[name]
+                        if tuple(t.shape) != shapes[name]:
+                            raise ValueError(
+                                f"record ({layer}, {expert}) part {name}: shape "
+                                f"{tuple(t.shape)}, expected {shapes[name]}"
+                            )
+                        raw = t.detach().to("cpu", layout.dtype).contiguous().view(torch.uint8)
+                        buf[off : off + n] = raw.numpy().tobytes()
+                    os.pwrite(fd, buf, (layer * num_experts + expert) * layout.stride)
+            os.ftruncate(fd, num_layers * num_experts * layout.stride)
+            os.fsync(fd)  # dirty pages cannot be dropped from the page cache
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # first loads read the disk too
+        finally:
+            os.close(fd)
+        return cls(path, num_layers, num_experts, layout)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def offset(self, key: Key) -> int:
+        layer, expert = key
+        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+            raise KeyError(f"no expert record {key}")
+        return (layer * self.num_experts + expert) * self.layout.stride
+
+    def read_into(self, key: Key, dst: np.ndarray) -> None:
+        """Copy one record (``layout.nbytes`` bytes) from the mapping into ``dst`` (uint8).
+        numpy's copy releases the GIL, so this overlaps with compute on another thread."""
+        off = self.offset(key)
+        n = self.layout.nbytes
+        self.mm.madvise(mmap.MADV_WILLNEED, off, self.layout.stride)  # one read-ahead of it
+        np.copyto(dst[:n], self._bytes[off : off + n])
+        self.bytes_read += n
+
+    def drop(self, key: Key) -> None:
+        """Drop the record's pages from this mapping and from the page cache."""
+        off, n = self.offset(key), self.layout.stride
+        self.mm.madvise(mmap.MADV_DONTNEED, off, n)
+        os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+        self.drops += 1
+        self.drop_calls.append(key)
+        del self.drop_calls[:-64]
+
+    def resident_fraction(self, key: Key) -> float | None:
+        """Fraction of the record's pages in memory (``mincore``), None where unavailable."""
+        if _LIBC is None:
+            return None
+        off, n = self.offset(key), self.layout.stride
+        addr = self._bytes.__array_interface__["data"][0] + off
+        vec = (ctypes.c_ubyte * (n // PAGE))()
+        if _LIBC.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) != 0:
+            return None
+        return sum(v & 1 for v in vec) / len(vec)
+
+    def measure_bandwidth(self, keys: Iterable[Key]) -> dict[str, float]:
+        """Cold-read ``keys`` (each dropped first) into a scratch buffer; bytes/s and time."""
+        keys = list(keys)
+        scratch = np.empty(self.layout.stride, dtype=np.uint8)
+        for key in keys:
+            self.drop(key)
+        n0 = self.bytes_read
+        t0 = time.perf_counter()
+        for key in keys:
+            self.read_into(key, scratch)
+        dt = time.perf_counter() - t0
+        nbytes = self.bytes_read - n0
+        for key in keys:
+            self.drop(key)
+        return {
+            "records": len(keys),
+            "bytes": nbytes,
+            "seconds": dt,
+            "bytes_per_s": nbytes / dt if dt > 0 else float("inf"),
+        }
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        del self._bytes
+        self.mm.close()
+        os.close(self.fd)
+        self.fd = -1
+
+
+EMPTY, LOADING, READY = "empty", "loading", "ready"
+
+
+@dataclass
+class Slot:
+    index: int
+    key: Key | None = None
+    state: str = EMPTY
+    future: Future | None = None
+    pins: int = 0  # hard pins: about to be computed; never evicted
+    soft: bool = False  # prefetched for a later layer; evicted only as a last resort
+    last_use: int = 0
+
+
+@dataclass
+class TierStats:
+    hits: int = 0  # compute found its expert READY
+    misses: int = 0  # compute found it absent or still loading (it waited)
+    late: int = 0  # misses whose load was already under way (a prefetch that came late)
+    loads: int = 0
+    prefetches: int = 0  # loads started by a predictor
+    prefetch_skipped: int = 0  # prefetches that found no evictable slot
+    evictions: int = 0
+    stall_seconds: float = 0.0
+    bytes_read: int = 0
+    violations: int = 0  # compute on a slot that was not READY with the asked key
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass
+class FastTier:
+    """``num_slots`` preallocated records over a :class:`SlowTier` (see the module docstring)."""
+
+    slow: SlowTier
+    num_slots: int
+    stats: TierStats = field(default_factory=TierStats)
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"the fast tier needs at least one slot, got {self.num_slots}")
+        layout = self.slow.layout
+        self.buffer = torch.zeros((self.num_slots, layout.stride), dtype=torch.uint8)
+        self._np = self.buffer.numpy()
+        self.slots = [Slot(i) for i in range(self.num_slots)]
+        self.where: dict[Key, int] = {}
+        self._clock = 0
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="moe-loader")
+        self.loader_threads: set[int] = set()
+        self._views = []
+        shapes = dict(layout.parts)
+        for i in range(self.num_slots):
+            row = {}
+            for name, (off, n) in layout.offsets().items():
+                row[name] = self.buffer[i, off : off + n].view(layout.dtype).view(shapes[name])
+            self._views.append(row)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    # -- loader thread ------------------------------------------------------------------------
+
+    def _job(self, index: int, key: Key, evicted: Key | None) -> None:
+        self.loader_threads.add(threading.get_ident())
+        if evicted is not None:
+            self.slow.drop(evicted)
+        self.slow.read_into(key, self._np[index])
+
+    # -- state (caller's thread only) ---------------------------------------------------------
+
+    def _poll(self, slot: Slot) -> None:
+        if slot.state == LOADING and slot.future is not None and slot.future.done():
+            slot.future.result()  # re-raise a failed load here
+            slot.state, slot.future = READY, None
+
+    def _victim(self, allow_soft: bool) -> Slot | None:
+        best = None
+        for slot in self.slots:
+            self._poll(slot)
+            if slot.state == LOADING or slot.pins:
+                continue
+            if slot.state == EMPTY:
+                return slot
+            if slot.soft and not allow_soft:
+                continue
+            if best is None or (slot.soft, slot.last_use) < (best.soft, best.last_use):
+                best = slot
+        return best
+
+    def state(self, key: Key) -> str:
+        i = self.where.get(key)
+        if i is None:
+            return EMPTY
+        self._poll(self.slots[i])
+        return self.slots[i].state
+
+    def resident(self, key: Key) -> bool:
+        return key in self.where
+
+    def start_load(
+        self, key: Key, *, pin: bool = False, soft: bool = False, allow_soft_evict: bool = False
+    ) -> bool:
+        """Make ``key`` resident or start loading it; False when no slot could be freed.
+        ``pin``: add a hard pin; ``soft``: mark it prefetched (soft-pinned)."""
+        i = self.where.get(key)
+        if i is None:
+            slot = self._victim(allow_soft_evict)
+            if slot is None:
+                if soft:
+                    self.stats.prefetch_skipped += 1
+                return False
+            evicted = slot.key
+            if evicted is not None:
+                del self.where[evicted]
+                self.stats.evictions += 1
+            slot.key, slot.state, slot.soft, slot.pins = key, LOADING, False, 0
+            self._clock += 1
+            slot.last_use = self._clock
+            slot.future = self.executor.submit(self._job, slot.index, key, evicted)
+            self.where[key] = slot.index
+            self.stats.loads += 1
+            self.stats.bytes_read += self.slow.layout.nbytes
+            if soft:
+                self.stats.prefetches += 1
+        else:
+            slot = self.slots[i]
+        if pin:
+            slot.pins += 1
+        if soft:
+            slot.soft = True
+        return True
+
+    def pin(self, key: Key) -> bool:
+        """Hard-pin ``key`` if resident (READY or LOADING)."""
+        i = self.where.get(key)
+        if i is None:
+            return False
+        self.slots[i].pins += 1
+        return True
+
+    def unpin(self, key: Key) -> None:
+        slot = self.slots[self.where[key]]
+        if slot.pins <= 0:
+            raise RuntimeError(f"unpin of {key}, which is not pinned")
+        slot.pins -= 1
+
+    def release_soft(self, layer: int | None = None) -> None:
+        """Clear the soft pins of ``layer``'s experts (every layer's with None)."""
+        for slot in self.slots:
+            if slot.soft and (layer is None or (slot.key is not None and slot.key[0] == layer)):
+                slot.soft = False
+
+    def demand(self, key: Key) -> bool:
+        """The current layer needs ``key``: count a hit (READY), a late prefetch (LOADING) or a
+        miss (absent), hard-pin it and start its load if absent. False: absent and no slot can
+        be freed now (pinned or loading); call :meth:`load_blocking` when pins are released."""
+        i = self.where.get(key)
+        if i is not None:
+            slot = self.slots[i]
+            self._poll(slot)
+            if slot.state == READY:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+                self.stats.late += 1
+            slot.pins += 1
+            return True
+        self.stats.misses += 1
+        return self.start_load(key, pin=True, allow_soft_evict=True)
+
+    def load_blocking(self, key: Key) -> None:
+        """Start loading absent ``key`` (hard-pinned), waiting for loads under way to free a
+        slot when every slot is busy; the wait counts as stall."""
+        t0 = time.perf_counter()
+        while not self.start_load(key, pin=True, allow_soft_evict=True):
+            pending = [s.future for s in self.slots if s.state == LOADING and s.future]
+            if not pending:
+                raise RuntimeError(
+                    f"fast tier: no slot for expert {key}: all {self.num_slots} are pinned"
+                )
+            wait(pending, return_when=FIRST_COMPLETED)
+        self.stats.stall_seconds += time.perf_counter() - t0
+
+    def acquire(self, key: Key) -> None:
+        """Wait until resident ``key`` is READY (that wait is the stall) and mark it used."""
+        slot = self.slots[self.where[key]]
+        self._poll(slot)
+        if slot.state != READY:
+            t0 = time.perf_counter()
+            if slot.future is not None:
+                slot.future.result()
+            self._poll(slot)
+            self.stats.stall_seconds += time.perf_counter() - t0
+        self._clock += 1
+        slot.last_use = self._clock
+
+    def views(self, key: Key) -> dict[str, torch.Tensor]:
+        """The weights of ``key`` for compute; checks that its slot is READY and holds it."""
+        i = self.where.get(key)
+        slot = self.slots[i] if i is not None else None
+        if slot is not None:
+            self._poll(slot)
+        if slot is None or slot.state != READY or slot.key != key:
+            self.stats.violations += 1
+            logger.error(
+                "vllm-adaptive moe: expert %s computed from a slot that is not READY with it "
+                "(slot %s)",
+                key,
+                None if slot is None else (slot.index, slot.key, slot.state),
+            )
+            if slot is None:
+                raise RuntimeError(f"expert {key} is not in the fast tier")
+        return self._views[slot.index]
+
+    def drain(self) -> None:
+        """Wait for every load under way."""
+        for slot in self.slots:
+            if slot.future is not None:
+                slot.future.result()
+            self._poll(slot)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.slow.close()
