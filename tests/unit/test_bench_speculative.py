@@ -42,6 +42,9 @@ def test_specs_map_to_engine_settings() -> None:
     assert additional == {"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}
     assert speculative["method"] == "ngram"
     assert spec_label(ngram_fp16) == "ngram k=4, target fp16"
+    tuned = parse_spec('{"method": "ngram", "k": 2, "options": {"prompt_lookup_max": 3}}')
+    assert engine_settings(tuned)[1]["prompt_lookup_max"] == 3
+    assert spec_label(tuned) == "ngram k=2, prompt_lookup_max 3"
     hybrid = parse_spec(
         '{"draft": {"draft": "lowbit", "precision": "w8a8", "prompt_lookup": {}}, "k": 3}'
     )
@@ -56,6 +59,7 @@ def test_specs_map_to_engine_settings() -> None:
         ('{"k": 2}', "either"),
         ('{"k": 2, "draft": {"draft": "lowbit"}, "extra": 1}', "unknown keys"),
         ("not json", "not JSON"),
+        ('{"k": 2, "draft": {"draft": "lowbit"}, "options": {}}', 'for "method" engines'),
     ],
 )
 def test_bad_specs_are_refused(text: str, match: str) -> None:

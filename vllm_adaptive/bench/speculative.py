@@ -6,11 +6,14 @@ arctic-inference: ``scripts/install-suffix-decoding.sh``) or ``{"draft":
 {...adaptive.speculative...}, "k": 4}`` (the plugin's self-speculative proposer), each
 optionally with ``"target": {...adaptive.precision...}`` (a fixed-gear target, e.g. ``{"policy":
 "fixed", "gear": "fp16"}``: the drafts are verified by the fp16 model, which in float32 gives
-stock's greedy output). For every corpus, stock vLLM and every spec engine run the same prompts
-from that corpus; reported per engine and batch size: decode tokens/s and its ratio to stock,
-acceptance rate and mean accepted length (vLLM's own counters), and whether greedy output
-was identical to stock's (speculation is lossless: in float32 it must be; in bfloat16
-verification of k+1 tokens at once may round differently from one at a time).
+stock's greedy output). ``"options"`` adds keys to a vLLM method's ``speculative_config``, e.g.
+``{"suffix_decoding_max_cached_requests": 0}`` (suffix decoding's global tree of earlier
+responses would otherwise have seen the bench's repeated prompts answered). For every corpus,
+stock vLLM and every spec engine run the same prompts from that corpus; reported per engine and
+batch size: decode tokens/s and its ratio to stock, acceptance rate and mean accepted length
+(vLLM's own counters), and whether greedy output was identical to stock's (speculation is
+lossless: in float32 it must be; in bfloat16 verification of k+1 tokens at once may round
+differently from one at a time).
 """
 
 from __future__ import annotations
@@ -42,11 +45,16 @@ def parse_spec(text: str) -> dict[str, Any]:
         raise ValueError(f"--spec {text!r}: not JSON ({e})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("k"), int) or spec["k"] < 1:
         raise ValueError(f"--spec {text!r}: needs an integer k >= 1")
-    unknown = set(spec) - {"k", "method", "draft", "target", "label"}
+    unknown = set(spec) - {"k", "method", "draft", "target", "label", "options"}
     if unknown:
         raise ValueError(f"--spec {text!r}: unknown keys {sorted(unknown)}")
     if ("method" in spec) == ("draft" in spec):
         raise ValueError(f'--spec {text!r}: give either "method": "ngram" or "draft": {{...}}')
+    if "options" in spec and ("method" not in spec or not isinstance(spec["options"], dict)):
+        raise ValueError(
+            f'--spec {text!r}: "options" (an object of vLLM speculative_config keys) is for '
+            '"method" engines'
+        )
     if "method" in spec and spec["method"] not in VLLM_METHODS:
         raise ValueError(f"--spec {text!r}: the built-in methods benched are {VLLM_METHODS}")
     if spec.get("method") == "suffix" and importlib.util.find_spec("arctic_inference") is None:
@@ -72,7 +80,8 @@ def spec_label(spec: dict[str, Any]) -> str:
         return spec["label"]
     target = f", target {spec['target'].get('gear', 'geared')}" if "target" in spec else ""
     if "method" in spec:
-        return f"{spec['method']} k={spec['k']}{target}"
+        options = "".join(f", {k} {v}" for k, v in spec.get("options", {}).items())
+        return f"{spec['method']} k={spec['k']}{options}{target}"
     d = spec["draft"]
     lookup = "prompt lookup, else " if d.get("prompt_lookup") is not None else ""
     if d["draft"] == "lowbit":
@@ -90,6 +99,7 @@ def engine_settings(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         cfg = {"method": spec["method"], "num_speculative_tokens": spec["k"]}
         if spec["method"] == "ngram":
             cfg.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        cfg.update(spec.get("options", {}))
         return ({"adaptive": _adaptive(spec)} if "target" in spec else {}), cfg
     return {"adaptive": _adaptive(spec)}, {
         "method": "custom_class",
