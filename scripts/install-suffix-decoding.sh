@@ -11,10 +11,11 @@ version=${ARCTIC_INFERENCE_VERSION:-0.3.0}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$py" -m pip install -q --target "$work/deps" "nanobind==2.9.2" ninja wheel
-"$py" -m pip download -q --no-deps --no-binary :all: -d "$work/src" "arctic-inference==$version"
+"$py" -m pip download -q --no-deps --no-binary arctic-inference -d "$work/src" "arctic-inference==$version"
 tar -xzf "$work/src"/arctic_inference-*.tar.gz -C "$work/src"
 cd "$work/src/arctic_inference-$version"
 PYTHONPATH="$work/deps" PATH="$work/deps/bin:$PATH" CMAKE_BUILD_PARALLEL_LEVEL=2 \
     "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheel" .
 "$py" -m pip install -q --no-deps "$work/wheel"/arctic_inference-*.whl
+cd "$root"
 "$py" -c "from arctic_inference.suffix_decoding import SuffixDecodingCache; print('suffix decoding: ok')"
