@@ -121,7 +121,7 @@ class PrecisionConfig(_Strict):
         if self.policy == "fixed":
             if self.gear is None:
                 raise ValueError(
-                    'policy "fixed" needs "gear" (full, fp16, int8, w8a8, int4 or int2)'
+                    'policy "fixed" needs "gear" (full, fp16, w8a16, int8, w8a8, int4 or int2)'
                 )
             if self.gears is not None or self.layer_groups:
                 raise ValueError('policy "fixed" takes "gear", not "gears"/"layer_groups"')

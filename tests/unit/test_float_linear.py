@@ -14,6 +14,8 @@ from vllm_adaptive.kernels import autotune
 from vllm_adaptive.kernels.float_linear import (
     Fp16Weight,
     W8A8Weight,
+    W8A16Weight,
+    nested_w8a8_w8a16,
     quantize_per_token,
     smoothing_factors,
     unrepresentable_in_fp16,
@@ -98,6 +100,40 @@ def test_smoothing_keeps_the_product_and_tames_an_outlier_channel() -> None:
         assert err_s < 0.5 * err_p, (name, float(err_s), float(err_p))
     with pytest.raises(ValueError, match="K=320"):
         W8A8Weight.from_float(w, torch.ones(5))
+
+
+@pytest.mark.parametrize("m", [1, 4, 17])
+def test_w8a16_is_the_int8_weight_times_two_activation_planes(m: int) -> None:
+    """Two per-token int8 planes carry the activations: the product's error is the int8
+    weight's alone (W8A8's activation error is gone), on every kernel this machine has."""
+    w, x = _w(), _x(m)
+    w16 = W8A16Weight.from_float(w)
+    codes = w16.base.dequantize().double()
+    q1 = quantize_per_token(x)
+    planes = q1 + quantize_per_token(x - q1)
+    exact_weight_only = x.double() @ codes.t()
+    for name in {*w16.kernels(), "reference"}:
+        y = w16.bind(name)(x)
+        assert y.shape == (m, N)
+        torch.testing.assert_close(y.double(), planes.double() @ codes.t(), atol=1e-4, rtol=1e-4)
+        err16 = (y.double() - exact_weight_only).abs().max()
+        err8 = (w16.base.bind("reference")(x).double() - exact_weight_only).abs().max()
+        assert err16 < err8 / 20, (name, err16, err8)
+
+
+def test_nested_w8a8_w8a16_rows_equal_each_gear_alone() -> None:
+    """A mixed batch on shared codes (one GEMM): W8A8 rows and W8A16 rows each get what their
+    own gear computes for them alone."""
+    w, x = _w(), _x(9)
+    low = W8A8Weight.from_float(w)
+    w16 = W8A16Weight(base=low, shared=True)
+    high = torch.tensor([1, 4, 8])
+    y = nested_w8a8_w8a16(w16, x, high)
+    kernel = w16.kernels()[0]
+    expect = low.bind("onednn" if kernel == "onednn" else "reference")(x)
+    expect[high] = w16.bind(kernel)(x[high])
+    torch.testing.assert_close(y, expect, atol=1e-5, rtol=1e-5)
+    assert w16.nbytes == 0  # the codes are the W8A8 tier's
 
 
 def test_unknown_kernels_are_refused() -> None:

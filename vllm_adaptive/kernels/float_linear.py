@@ -17,6 +17,15 @@ shape and token count by :mod:`vllm_adaptive.kernels.autotune`, measured on the 
   int8 GEMM, one call per token: FBGEMM takes one activation scale per call, so per-token scales
   need one call per row) and ``reference`` (the same quantization in plain torch).
 
+- :class:`W8A16Weight`: a W8A8 weight's int8 codes with activations carried as *two* int8 planes
+  per token: ``x ~ s1 q1 + s2 q2`` where ``q2`` quantizes the residual ``x - s1 q1`` (its own
+  per-token scale), so the activation error is about 1/127 of W8A8's and the product's error is
+  the weight's int8 rounding alone (weight-only int8 quality). Both planes go through one int8
+  GEMM of twice the rows, which on these CPUs still beats FBGEMM's fp16 GEMM from a few tokens
+  on. A batch whose rows run W8A8 and W8A16 on the same codes needs one GEMM
+  (:func:`nested_w8a8_w8a16`): the second plane only for the W8A16 rows. Kernels: ``onednn``
+  and ``reference``.
+
 Every kernel of a format computes the same quantized product up to the order of summation
 (FBGEMM quantizes activations asymmetrically to uint8 with a zero point, oneDNN and the reference
 symmetrically to int8: their rounding differs by at most one step of the token's scale).
@@ -32,6 +41,7 @@ import torch.nn.functional as F
 
 FP16_KERNELS = ("fbgemm_fp16", "reference")
 W8A8_KERNELS = ("onednn", "fbgemm_rows", "reference")
+W8A16_KERNELS = ("onednn", "reference")
 
 
 def fbgemm_available() -> bool:
@@ -256,6 +266,111 @@ class W8A8Weight(KernelLayouts):
         return self.nbytes + sum(
             b * self.codes.numel() for k, b in extra.items() if k in self.prepared
         )
+
+
+@dataclass
+class W8A16Weight(KernelLayouts):
+    """A W8A8 weight's codes run with two-plane (about 16-bit) per-token activations.
+
+    ``base`` may be the W8A8 tier of the same linear (``shared``: one copy of the codes and of
+    oneDNN's layout serves both gears, and mixed batches run one GEMM)."""
+
+    base: W8A8Weight
+    shared: bool = False
+    prepared: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> W8A16Weight:
+        return cls(base=W8A8Weight.from_float(w))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.base.shape
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.shared else self.base.nbytes
+
+    def release(self) -> None:
+        self.prepared.clear()
+        if not self.shared:
+            self.base.release()
+
+    def kernels(self) -> tuple[str, ...]:
+        return ("onednn",) if onednn_int8_available() else ("reference",)
+
+    def bind(self, kernel: str):
+        """``x -> x @ W^T`` for contiguous 2-D float32 ``x``."""
+        base, n = self.base, self.shape[0]
+        if kernel == "onednn":
+            base.prepare("onednn")
+            handler = base.prepared["onednn"]
+            return lambda x: _two_plane_onednn(x, base.inv_smooth, handler, n, x.shape[0])
+        if kernel == "reference":
+            base.prepare("reference")
+            w, inv = base.prepared["reference"], base.inv_smooth
+            return lambda x: F.linear(_two_planes(x if inv is None else x * inv), w)
+        raise ValueError(f"W8A16 weights have no kernel {kernel!r}; kernels: {W8A16_KERNELS}")
+
+    def resident_bytes(self) -> int:
+        return self.nbytes + (0 if self.shared else self.base.resident_bytes() - self.base.nbytes)
+
+
+def _two_plane_onednn(x, inv, handler, n: int, high_from: int) -> torch.Tensor:
+    """Rows ``[0, m)`` at one int8 plane, rows ``[m - high_from, m)`` plus their residual plane:
+    one oneDNN GEMM over ``m + high_from`` rows (``high_from == m``: every row two planes)."""
+    quant, mm = torch.ops._C.dynamic_scaled_int8_quant, torch.ops._C.onednn_scaled_mm
+    if inv is not None:
+        x = x * inv
+    m, k = x.shape
+    h = high_from
+    xq = torch.empty((m + h, k), dtype=torch.int8)
+    xs = torch.empty((m + h, 1), dtype=torch.float32)
+    quant(xq[:m], x, xs[:m], None)
+    hi = slice(m - h, m)
+    residual = x[hi] - xq[hi].float() * xs[hi]
+    quant(xq[m:], residual.contiguous(), xs[m:], None)
+    out = torch.empty((m + h, n), dtype=torch.float32)
+    mm(out, xq, xs, None, None, None, handler.handler_tensor)
+    y = out[:m]
+    y[hi] += out[m:]
+    return y
+
+
+def nested_w8a8_w8a16(weight: W8A16Weight, x: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` at W8A8, the rows ``high`` at W8A16, on shared codes in one GEMM (the
+    W8A16 rows are moved last so their second plane is one contiguous block)."""
+    m = x.shape[0]
+    order = torch.ones(m, dtype=torch.bool)
+    order[high] = False
+    low = order.nonzero().squeeze(1)
+    perm = torch.cat([low, high])
+    base = weight.base
+    if onednn_int8_available():
+        base.prepare("onednn")
+        y = _two_plane_onednn(
+            x.index_select(0, perm),
+            base.inv_smooth,
+            base.prepared["onednn"],
+            base.shape[0],
+            high.shape[0],
+        )
+    else:
+        base.prepare("reference")
+        xp = x.index_select(0, perm)
+        if base.inv_smooth is not None:
+            xp = xp * base.inv_smooth
+        xa = torch.cat([quantize_per_token(xp[: low.shape[0]]), _two_planes(xp[low.shape[0] :])])
+        y = F.linear(xa, base.prepared["reference"])
+    out = torch.empty_like(y)
+    out[perm] = y
+    return out
+
+
+def _two_planes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as two per-token int8 planes (the value W8A16 kernels multiply), in float32."""
+    q1 = quantize_per_token(x)
+    return q1 + quantize_per_token(x - q1)
 
 
 def quantize_per_token(x: torch.Tensor) -> torch.Tensor:

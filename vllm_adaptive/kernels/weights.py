@@ -5,8 +5,8 @@ Mechanisms that run layers at another precision (geared linears, the Exit River,
 self-draft and its head) all go through here, so they share formats, kernels and the measured
 dispatch:
 
-- ``fp16`` / ``w8a8``: :mod:`vllm_adaptive.kernels.float_linear`, the kernel per token count
-  from :mod:`vllm_adaptive.kernels.autotune` (measured once per machine);
+- ``fp16`` / ``w8a8`` / ``w8a16``: :mod:`vllm_adaptive.kernels.float_linear`, the kernel per
+  token count from :mod:`vllm_adaptive.kernels.autotune` (measured once per machine);
 - ``int8`` / ``int4`` / ``int2``: :class:`~vllm_adaptive.kernels.packed.PackedWeight`, the path
   from :mod:`vllm_adaptive.kernels.matmul`.
 """
@@ -18,12 +18,12 @@ import warnings
 import torch
 
 from vllm_adaptive.kernels import autotune
-from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight
+from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight, W8A16Weight
 from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
 from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
 
-Weight = PackedWeight | Fp16Weight | W8A8Weight
-FLOAT_FORMATS = (Fp16Weight, W8A8Weight)
+Weight = PackedWeight | Fp16Weight | W8A8Weight | W8A16Weight
+FLOAT_FORMATS = (Fp16Weight, W8A8Weight, W8A16Weight)
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
@@ -41,6 +41,8 @@ def quantize_weight(
         return Fp16Weight.from_float(w32)
     if precision == "w8a8":
         return W8A8Weight.from_float(w32, smooth)
+    if precision == "w8a16":
+        return W8A16Weight.from_float(w32)
     if precision not in BITS:
         raise ValueError(f"no reduced-precision format {precision!r}")
     bits = BITS[precision]
@@ -61,6 +63,8 @@ def precision_of(weight: Weight) -> str:
         return "fp16"
     if isinstance(weight, W8A8Weight):
         return "w8a8"
+    if isinstance(weight, W8A16Weight):
+        return "w8a16"
     return f"int{weight.bits}"
 
 

@@ -318,6 +318,7 @@ class PrecisionController:
             "layer_maps": [list(m) for m in self.layer_maps],
             "resident_bytes": self.resident_bytes(),
             "level_byte_ratios": self.level_byte_ratios(),
+            "nested_gemms": sum(g.nested_calls for g in getattr(self, "geared", [])),
             "finished": list(self.finished),
             "live": live,
         }

@@ -11,6 +11,8 @@ Precisions:
 - ``int8``: int8 weights, float activations (weight-only; the packed kernel needs bf16 input);
 - ``w8a8``: int8 weights and int8 activations with one scale per token, optionally smoothed
   (SmoothQuant); the fast int8 path for float32 activations;
+- ``w8a16``: the same int8 weights (never smoothed) with activations as two int8 planes per
+  token (about 16-bit): weight-only int8 quality on the int8 GEMM, at twice its rows;
 - ``int4`` / ``int2``: packed 4- and 2-bit weights, float activations (weight-only).
 """
 
@@ -18,10 +20,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-Precision = Literal["full", "fp16", "int8", "w8a8", "int4", "int2"]
-PRECISIONS: tuple[str, ...] = ("int2", "int4", "w8a8", "int8", "fp16", "full")  # cheapest first
+Precision = Literal["full", "fp16", "w8a16", "int8", "w8a8", "int4", "int2"]
+PRECISIONS: tuple[str, ...] = (
+    "int2",
+    "int4",
+    "w8a8",
+    "int8",
+    "w8a16",
+    "fp16",
+    "full",
+)  # cheapest first
 BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2}  # packed integer weights
-FLOAT_ACTIVATION_PRECISIONS = ("fp16", "w8a8")  # kernels in kernels/float_linear.py
+FLOAT_ACTIVATION_PRECISIONS = ("fp16", "w8a8", "w8a16")  # kernels in kernels/float_linear.py
 
 LOW, MID, HIGH = 0, 1, 2
 LEVEL_NAMES = ("low", "mid", "high")

@@ -8,8 +8,9 @@ precision their gear level maps to in this layer's group, each group is multipli
 tier through :func:`vllm_adaptive.kernels.matmul.matmul` (``full``: the layer's own method;
 ``fp16`` / ``w8a8``: the float-activation kernels of :mod:`vllm_adaptive.kernels.float_linear`,
 the kernel chosen per token count by the machine's measured dispatch table), and the results are
-scattered back in token order. The LM head is geared the same way (its tiers are copies: the
-embedding it may be tied to keeps its float weight).
+scattered back in token order; rows at W8A8 and W8A16 on shared int8 codes run as one oneDNN
+GEMM (:func:`~vllm_adaptive.kernels.float_linear.nested_w8a8_w8a16`). The LM head is geared the
+same way (its tiers are copies: the embedding it may be tied to keeps its float weight).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 
+from vllm_adaptive.kernels.float_linear import W8A16Weight, nested_w8a8_w8a16
 from vllm_adaptive.kernels.weights import autotune_weight, linear
 from vllm_adaptive.precision.tiers import LinearTiers
 
@@ -45,6 +47,7 @@ class GearedLinear:
         self.keep_full = True  # mode "off" requests run the float weight on any engine
         w = layer.weight
         self.full_bytes = w.numel() * w.element_size()
+        self.nested_calls = 0  # mixed W8A8 / W8A16 batches served by one GEMM
         self.index = len(_LINEARS)
         _LINEARS.append(self)
 
@@ -66,10 +69,31 @@ class GearedLinear:
         y = linear(packed, x)
         return y + bias if bias is not None else y
 
+    @property
+    def nested(self) -> bool:
+        """W8A8 and W8A16 share this layer's int8 codes: one GEMM serves a batch of both."""
+        w = self.tiers.tiers.get("w8a16")
+        return isinstance(w, W8A16Weight) and w.shared
+
+    def run_nested(self, x: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """The step's W8A8 rows and its W8A16 rows ``high`` in one GEMM (oneDNN's symmetric
+        per-token quantizer for both: a single W8A8 row that dispatch would give FBGEMM's
+        asymmetric one may round one step differently)."""
+        self.nested_calls += 1
+        for precision in ("w8a8", "w8a16"):
+            if precision in self.tiers.released:
+                self.tiers.restore(precision, x.device, x.dtype)
+        xc = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = nested_w8a8_w8a16(self.tiers.tiers["w8a16"], xc, high).to(x.dtype)
+        bias = self.layer.bias
+        return y + bias if bias is not None else y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.controller.groups(self.level_precisions, x.shape[0])
         if len(groups) == 1:
             return self.run(x, groups[0][0])
+        if self.nested and {p for p, _ in groups} == {"w8a8", "w8a16"}:
+            return self.run_nested(x, dict(groups)["w8a16"])
         out = x.new_empty(x.shape[0], self.tiers.shape[0])
         for precision, index in groups:
             out.index_copy_(0, index, self.run(x.index_select(0, index), precision))

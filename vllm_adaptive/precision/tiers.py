@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight
+from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight, W8A16Weight
 from vllm_adaptive.kernels.matmul import dispatch_paths, prepare
 from vllm_adaptive.kernels.matryoshka import MatryoshkaWeight, matryoshka_quantize
 from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
 from vllm_adaptive.precision.gears import BITS
 
-FLOAT_TIERS = (Fp16Weight, W8A8Weight)
+FLOAT_TIERS = (Fp16Weight, W8A8Weight, W8A16Weight)
 
 
 def _storages(obj, seen: dict[int, int]) -> None:
@@ -70,7 +70,9 @@ class LinearTiers:
     """The packed precisions of one linear weight ``[N, K]``."""
 
     shape: tuple[int, int]
-    tiers: dict[str, PackedWeight | Fp16Weight | W8A8Weight | None]  # None: released Matryoshka
+    tiers: dict[
+        str, PackedWeight | Fp16Weight | W8A8Weight | W8A16Weight | None
+    ]  # None: released Matryoshka
     matryoshka: MatryoshkaWeight | None = None
     released: set[str] = field(default_factory=set)
 
@@ -84,15 +86,23 @@ class LinearTiers:
         symmetric: bool,
         smooth: torch.Tensor | None = None,
     ) -> LinearTiers:
-        """``smooth``: SmoothQuant factors for the W8A8 tier (``precision/smoothing.py``)."""
+        """``smooth``: SmoothQuant factors for the W8A8 tier (``precision/smoothing.py``). The
+        W8A16 tier is never smoothed (its activations need no help; smoothing only moves
+        error into the weight); it shares the W8A8 tier's codes when that one is unsmoothed."""
         w = weight.detach().to(torch.float32)
-        tiers: dict[str, PackedWeight | Fp16Weight | W8A8Weight] = {}
+        tiers: dict[str, PackedWeight | Fp16Weight | W8A8Weight | W8A16Weight] = {}
         m = None
         if "fp16" in precisions:
             tiers["fp16"] = Fp16Weight.from_float(w)
         if "w8a8" in precisions:
             tiers["w8a8"] = W8A8Weight.from_float(w, smooth)
-        precisions = precisions - {"fp16", "w8a8"}
+        if "w8a16" in precisions:
+            low = tiers.get("w8a8")
+            if low is not None and low.inv_smooth is None:
+                tiers["w8a16"] = W8A16Weight(base=low, shared=True)
+            else:
+                tiers["w8a16"] = W8A16Weight.from_float(w)
+        precisions = precisions - {"fp16", "w8a8", "w8a16"}
         with warnings.catch_warnings():
             # The caller reports double quantization once per model, not once per weight.
             warnings.simplefilter("ignore", DoubleQuantizationWarning)
@@ -152,6 +162,8 @@ class LinearTiers:
         prepared scales are its own.
         """
         p = self.tiers[precision]
+        if isinstance(p, W8A16Weight):
+            return p.resident_bytes()
         if isinstance(p, FLOAT_TIERS):
             return (
                 p.nbytes
