@@ -349,9 +349,11 @@ class ExitRiverConfig(_Strict):
 
     entry_layer: int = Field(1, ge=1)
     """L_s: the river holds copies of layers L_s+1 .. L (a token may exit after L_s blocks)."""
-    precision: Literal["int4", "int8", "w8a8", "fp16"] = "int4"
+    precision: Literal["int4", "int8", "w8a8", "w8a16", "fp16"] = "int4"
     """The river's weights: int4 (River-LLM), int8 weight-only, W8A8 (int8 weights and
-    per-token int8 activations: the fast path for float32 activations) or fp16."""
+    per-token int8 activations: the fast path for float32 activations), W8A16 (the same int8
+    weights, activations as two int8 planes: weight-only int8 quality on the int8 GEMM) or
+    fp16."""
     group_size: int = Field(32, ge=8)
     """int4: quantization group along the input dimension."""
     symmetric: bool = False

@@ -55,6 +55,11 @@ RIVER = _depth(
     river={"entry_layer": 8, "group_size": 32, "symmetric": False, "offload_backbone": False},
     signal={"policy": "river", "river": {"tau": 0.95, "batch_min": False}},
 )
+RIVER_W8A16 = _depth(
+    kv_strategy="river",
+    river={"entry_layer": 8, "precision": "w8a16"},
+    signal={"policy": "river", "river": {"tau": 0.95}},
+)
 RIVER_OFFLOAD = _depth(
     kv_strategy="river",
     river={"entry_layer": 8, "group_size": 64, "symmetric": True, "offload_backbone": True},
@@ -207,6 +212,7 @@ def _table_rows(md: str) -> dict[str, list[str]]:
         (MONOTONE, "monotone/emad b0.6"),
         (RIVER, "river(g32 asym, L_s 8)/river tau0.95"),
         (RIVER_OFFLOAD, "river(g64 sym, L_s 8)+offload/river tau0.9"),
+        (RIVER_W8A16, "river(w8a16, L_s 8)/river tau0.95"),
         (PROPAGATE_QS, "propagate/quicksilver 60/2.0"),
         (PROFILE_BUDGET, "monotone/emad b(profile)"),
         (COMBINED, "monotone/emad|river b0.6 tau0.9"),

@@ -34,8 +34,13 @@ def depth_parts(depth: dict[str, Any], engine: dict[str, Any] | None = None) -> 
     offload = False
     if strategy == "river":
         r = depth.get("river") or {}
-        sym = "sym" if r.get("symmetric", False) else "asym"
-        kv = f"river(g{r.get('group_size', 32)} {sym}, L_s {r.get('entry_layer', 1)})"
+        precision = r.get("precision", "int4")
+        if precision == "int4":
+            sym = "sym" if r.get("symmetric", False) else "asym"
+            kind = f"g{r.get('group_size', 32)} {sym}"
+        else:
+            kind = precision  # per-row symmetric (w8a8 / w8a16 / int8) or fp16
+        kv = f"river({kind}, L_s {r.get('entry_layer', 1)})"
         if r.get("prefill") == "river":
             kv += "+prefill"
         offload = bool(r.get("offload_backbone", False))

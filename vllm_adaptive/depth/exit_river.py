@@ -94,6 +94,8 @@ class ExitRiver:
             return "int8 per-row sym absmax"
         if self.precision == "w8a8":
             return "w8a8 per-row sym, per-token activations"
+        if self.precision == "w8a16":
+            return "w8a16 per-row sym, two-plane per-token activations"
         if self.precision == "fp16":
             return "fp16"
         kind = "sym absmax" if self.symmetric else "asym min/max"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_adaptive.kernels import autotune
-from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight
+from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight, W8A16Weight
 
 #: (name, K, N) of SmolLM2-135M's linears: qkv, o, gate_up, down, LM head
 DEFAULT_SHAPES = (
@@ -56,6 +56,10 @@ def reduced_kernels(w: torch.Tensor) -> dict[str, Any]:
     for name in q.kernels():
         if name != "reference":
             out[f"w8a8/{name}"] = q.bind(name)
+    w16 = W8A16Weight(base=q, shared=True)
+    for name in w16.kernels():
+        if name != "reference":
+            out[f"w8a16/{name}"] = w16.bind(name)
     from vllm_adaptive.kernels.matmul import INT4PACK, INT8PACK, matmul
     from vllm_adaptive.kernels.packed import quantize
 
