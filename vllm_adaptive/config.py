@@ -530,10 +530,15 @@ class AdaptiveConfig(_Strict):
                 '"moe" cannot be combined with "precision", "depth" or "speculative" yet: '
                 "those mechanisms manage the dense Llama MLP, which a MoEfied model replaces"
             )
-        if self.precision is not None and self.depth is not None:
+        if (
+            self.precision is not None
+            and self.depth is not None
+            and (self.precision.policy != "fixed" or self.precision.effective_routing != "step")
+        ):
             raise ValueError(
-                '"precision" and "depth" cannot be combined yet: gear plans are made per '
-                "token for the whole step, depth-peeling shrinks the batch inside the step"
+                '"depth" combines only with a "fixed" precision (one gear for the whole step): '
+                "entropy-routed gear plans are made per token for the whole step, and "
+                "depth-peeling shrinks the batch inside the step"
             )
         if self.speculative is not None and (
             self.depth is not None

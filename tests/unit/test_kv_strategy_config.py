@@ -50,3 +50,18 @@ def test_river_settings_need_the_river_strategy() -> None:
 def test_bad_values_name_their_key(bad: dict, key: str) -> None:
     with pytest.raises(AdaptiveConfigError, match=key):
         parse_adaptive_config(_depth(**bad))
+
+
+def test_depth_combines_only_with_a_fixed_precision() -> None:
+    """One gear for the whole step survives depth-peeling's shrinking batch; per-token plans
+    do not, so entropy-routed policies (and token routing) are refused with depth."""
+    fixed = {"policy": "fixed", "gear": "fp16", "modules": ["lm_head"]}
+    cfg = parse_adaptive_config({**_depth(kv_strategy="river"), "precision": fixed})
+    assert cfg.precision.gear == "fp16" and cfg.depth.kv_strategy == "river"
+    for precision in (
+        {"policy": "gearbx"},
+        {"policy": "quicksilver"},
+        {**fixed, "routing": "token"},
+    ):
+        with pytest.raises(AdaptiveConfigError, match='"depth" combines only with a "fixed"'):
+            parse_adaptive_config({**_depth(), "precision": precision})

@@ -80,14 +80,17 @@ def install_precision(
     controller = PrecisionController(cfg, policy, maps, tokenizer_path)
     layout = cfg.effective_tiers
     t0 = time.perf_counter()
-    first = linears[0][2].weight
-    coarse = coarse_grid_fraction(first.detach().float())
+    # the first managed weight (the head's when "modules" names it alone)
+    first_name, first = (linears[0][1], linears[0][2].weight) if linears else ("lm_head", None)
+    if first is None and getattr(model, "lm_head", None) is not None:
+        first = model.lm_head.weight
+    coarse = coarse_grid_fraction(first.detach().float()) if first is not None else 0.0
     if coarse >= 0.5:
         logger.warning(
             "vllm-adaptive: %s already lies on a coarse grid (%.0f%% of groups hold <= 16 "
             "values): the checkpoint was quantized before; re-quantizing compounds the error "
             "(GEARBX 6.4 double quantization)",
-            linears[0][1],
+            first_name,
             100 * coarse,
         )
     stats = _smoothing_stats(cfg, model_dir)
