@@ -36,7 +36,8 @@ class AdaptiveConfigError(ValueError):
 
 _Strict = StrictModel
 
-#: Linear layers of a Llama decoder layer that precision gears can manage, and the LM head.
+#: The managed linears of a decoder layer, by the names the model interface gives them
+#: (``models/interface.py``; vLLM's fused module names), and the LM head.
 MANAGED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 LAYER_MODULES = MANAGED_MODULES[:4]
 GearMap = tuple[Precision, Precision, Precision]

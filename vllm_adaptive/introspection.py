@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 
 def describe_model(model: Any) -> dict[str, Any]:
     """Class of the loaded model and its adaptive config (None for stock)."""
@@ -17,6 +19,52 @@ def describe_model(model: Any) -> dict[str, Any]:
     return {
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "adaptive_config": adaptive.model_dump() if adaptive is not None else None,
+    }
+
+
+_OPTIONAL_PARTS = (
+    "act_fn",
+    "pre_feedforward_norm",
+    "post_feedforward_norm",
+    "q_norm",
+    "k_norm",
+    "experts",
+)
+
+
+def describe_parts(model: Any) -> dict[str, Any] | None:
+    """The model interface's view of the loaded model (``models/interface.py``), None for a
+    model without it: per layer its managed linears, which optional parts it has, its sliding
+    window and attention layer name, and whether every part is a submodule of the model (the
+    interface points at the modules that run, not at copies)."""
+    get_parts = getattr(model, "adaptive_parts", None)
+    if get_parts is None:
+        return None
+    parts = get_parts()
+    owned = {id(m) for m in model.modules()}
+    layers = []
+    for layer in parts.layers:
+        modules = [layer.block, layer.attention, layer.attn, layer.rotary, layer.mlp]
+        modules += [layer.input_norm, layer.post_attention_norm, *layer.linears.values()]
+        modules += [getattr(layer, f) for f in _OPTIONAL_PARTS if getattr(layer, f) is not None]
+        layers.append(
+            {
+                "index": layer.index,
+                "attn_layer_name": layer.attn.layer_name,
+                "linears": sorted(layer.linears),
+                "optional": [f for f in _OPTIONAL_PARTS if getattr(layer, f) is not None],
+                "sliding_window": layer.sliding_window,
+                "llama_block": layer.llama_block,
+                "owned": all(id(m) in owned for m in modules if isinstance(m, torch.nn.Module)),
+            }
+        )
+    return {
+        "num_layers": parts.num_layers,
+        "hidden_size": parts.hidden_size,
+        "vocab_size": parts.vocab_size,
+        "embedding_scale": parts.embedding_scale,
+        "owned": all(id(m) in owned for m in (parts.embedding, parts.final_norm, parts.head)),
+        "layers": layers,
     }
 
 

@@ -64,7 +64,7 @@ def _leave_accelerated_kv(model) -> bool:
         stash = run(layers, ctx, md, sched_args, gate_index, rows, positions, slots, stream)
         start, stop = accel.intervals[gate_index]
         for i in range(start, stop):
-            kv = layers[i].self_attn.attn.kv_cache
+            kv = layers[i].attn.kv_cache  # the model interface's LayerParts
             cache = kv[0] if isinstance(kv, (list, tuple)) else kv  # [blocks, 2, block size, ..]
             blocks = torch.unique(slots.long() // cache.shape[2])
             saved.append((cache, blocks, cache[blocks].clone()))

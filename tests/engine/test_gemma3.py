@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.engines import GEMMA3_NUM_BLOCKS, REPO, make_llm, shutdown, suite_engine_args
 from tests.support.workloads import MAX_TOKENS, PROMPTS, run_workloads
-from vllm_adaptive.introspection import describe_model, gear_telemetry
+from vllm_adaptive.introspection import describe_model, describe_parts, gear_telemetry
 
 
 @pytest.fixture(scope="module", params=["plugin-off", "adaptive-all-off"])
@@ -53,6 +53,33 @@ def test_model_class(engine) -> None:
     else:
         assert info["class"] == "vllm_adaptive.models.gemma3.AdaptiveGemma3ForCausalLM"
         assert info["adaptive_config"]["precision"] is None
+
+
+def test_model_interface(engine, gemma_dir: Path) -> None:
+    """Gemma 3's parts: the four norms per block, query/key norms, the per-layer sliding
+    window of its layer type, the scaled embedding; no layer is a Llama block."""
+    name, llm = engine
+    (parts,) = llm.apply_model(describe_parts)
+    if name == "plugin-off":
+        assert parts is None
+        return
+    cfg = json.loads((gemma_dir / "config.json").read_text())
+    assert parts["owned"] and parts["num_layers"] == cfg["num_hidden_layers"] == 18
+    assert parts["embedding_scale"] == pytest.approx(cfg["hidden_size"] ** 0.5)
+    windows = [layer["sliding_window"] for layer in parts["layers"]]
+    want = [cfg["sliding_window"] if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    assert windows == want and None in windows and 512 in windows
+    for layer in parts["layers"]:
+        assert layer["owned"], layer["index"]
+        assert layer["linears"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+        assert layer["optional"] == [
+            "act_fn",
+            "pre_feedforward_norm",
+            "post_feedforward_norm",
+            "q_norm",
+            "k_norm",
+        ]
+        assert not layer["llama_block"]
 
 
 def test_identical_to_stock(engine, stock_gemma_bf16: dict) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.engines import make_llm, shutdown
 from tests.support.workloads import MAX_TOKENS, PROMPTS, run_workloads
-from vllm_adaptive.introspection import describe_model
+from vllm_adaptive.introspection import describe_model, describe_parts
 
 
 @pytest.fixture(scope="module", params=["plugin-off", "adaptive-all-off"])
@@ -49,6 +49,26 @@ def test_model_class(engine) -> None:
             "speculative": None,
             "moe": None,
         }
+
+
+def test_model_interface(engine) -> None:
+    """The adaptive class hands out its own modules through the model interface: every layer
+    a Llama block with its four managed linears, global attention, named as vLLM names it."""
+    name, llm = engine
+    (parts,) = llm.apply_model(describe_parts)
+    if name == "plugin-off":
+        assert parts is None  # stock vLLM's class has no interface
+        return
+    assert parts["owned"] and parts["embedding_scale"] is None
+    assert (parts["num_layers"], parts["hidden_size"], parts["vocab_size"]) == (30, 576, 49152)
+    assert [layer["index"] for layer in parts["layers"]] == list(range(30))
+    for layer in parts["layers"]:
+        i = layer["index"]
+        assert layer["owned"], i
+        assert layer["attn_layer_name"] == f"model.layers.{i}.self_attn.attn"
+        assert layer["linears"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+        assert layer["optional"] == ["act_fn"] and layer["sliding_window"] is None
+        assert layer["llama_block"], i
 
 
 def test_identical_to_stock(engine, stock_bf16: dict) -> None:

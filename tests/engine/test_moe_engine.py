@@ -21,6 +21,7 @@ import pytest
 from tests.support.engines import make_llm, metric, shutdown
 from tests.support.moefied import build_mechanics_moefied
 from tests.support.workloads import PROMPTS
+from vllm_adaptive.introspection import describe_parts
 from vllm_adaptive.models.moefied_llama import moe_stats, reset_moe_stats, set_moe_predictor
 
 SHARED = "Here is a long list of facts about the planets of the solar system. " * 12
@@ -52,6 +53,7 @@ def runs(moefied_dir: Path) -> dict:
     try:
         out["resident"] = _generate(llm)
         (out["resident_stats"],) = llm.apply_model(moe_stats)
+        (out["parts"],) = llm.apply_model(describe_parts)
     finally:
         shutdown(llm)
     llm = make_llm(moefied_dir, TIERED)
@@ -80,6 +82,18 @@ def test_resident_reference_is_nontrivial(runs) -> None:
     seqs = runs["resident"]
     assert len(seqs) == 2 * len(BATCH) and all(len(s) == MAX_TOKENS for s in seqs)
     assert len({tuple(s) for s in seqs[: len(BATCH)]}) > 1
+
+
+def test_model_interface_names_the_experts(runs) -> None:
+    """Through the model interface a MoEfied layer has its attention linears and its experts,
+    no dense MLP linears, so no mechanism that re-runs a Llama block takes it for one."""
+    parts = runs["parts"]
+    assert parts["owned"] and len(parts["layers"]) == parts["num_layers"] == 30
+    for layer in parts["layers"]:
+        assert layer["owned"], layer["index"]
+        assert layer["linears"] == ["o_proj", "qkv_proj"]
+        assert layer["optional"] == ["experts"]
+        assert not layer["llama_block"]
 
 
 @pytest.mark.parametrize("predictor", ["pregate", "none"])

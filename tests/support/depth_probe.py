@@ -45,7 +45,7 @@ def install_kv_audit(model: Any, mask_aware: bool = False) -> int:
     """``mask_aware``: under the `mask` KV strategy unwritten cached slots are expected in the
     attended range; they are poisoned with NaN instead of counted, and any non-finite attention
     output is the violation (a masked slot contributed)."""
-    layers = model.model.layers
+    layers = model.adaptive_parts().layers
     num_layers = len(layers)
     if _AUDIT.get("installed"):
         return num_layers
@@ -69,7 +69,7 @@ def install_kv_audit(model: Any, mask_aware: bool = False) -> int:
         return _AUDIT["shadow"]
 
     for index, layer in enumerate(layers):
-        impl = layer.self_attn.attn.impl
+        impl = layer.attn.impl
         orig_update, orig_forward = impl.do_kv_cache_update, impl.forward
 
         def update(attn, key, value, kv_cache, slot_mapping, _i=index, _orig=orig_update):

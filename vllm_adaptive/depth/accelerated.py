@@ -36,30 +36,33 @@ the paper overlaps the two streams with attention masking, which a CPU gains not
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.peeling import CpuSchedulerArgs, one_token_cpu_metadata
 from vllm_adaptive.m2r2.adapters import M2R2Adapters
 
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import LayerParts
+
 
 def accelerated_block(
-    layer: Any, adapters: M2R2Adapters, i: int, positions: torch.Tensor, p: torch.Tensor
+    layer: LayerParts, adapters: M2R2Adapters, i: int, positions: torch.Tensor, p: torch.Tensor
 ) -> torch.Tensor:
-    """vLLM decoder block ``i`` on the accelerated stream (unfused residual): the base
-    modules plus adapter ``i``'s deltas; attention uses the installed forward context."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(p)
-    qkv, _ = attn.qkv_proj(x)
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    """Llama block ``i`` on the accelerated stream (unfused residual), from the layer's parts,
+    plus adapter ``i``'s deltas; attention uses the installed forward context."""
+    x = layer.input_norm(p)
+    qkv, _ = layer.linear("qkv_proj")(x)
+    q, k, v = layer.split_qkv(qkv)
     q = q + adapters.delta_q(i, x)
-    q, k = attn.rotary_emb(positions, q, k)
-    a = attn.attn(q, k, v)
-    o, _ = attn.o_proj(a)
+    q, k = layer.rotary(positions, q, k)
+    a = layer.attn(q, k, v)
+    o, _ = layer.linear("o_proj")(a)
     p = p + o + adapters.delta_o(i, a)
-    y = layer.post_attention_layernorm(p)
+    y = layer.post_attention_norm(p)
     return p + layer.mlp(y) + adapters.delta_mlp(i, y)
 
 
@@ -107,7 +110,7 @@ class AcceleratedStream:
 
     def run(
         self,
-        layers: Any,
+        layers: Sequence[LayerParts],
         ctx: Any,
         md: Any,
         sched_args: CpuSchedulerArgs,

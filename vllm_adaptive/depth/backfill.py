@@ -9,9 +9,15 @@ the backbone would have used. The depth record then says those layers are writte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from vllm_adaptive.depth.record import SlotDepthRecord
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import LayerParts
 
 
 class ExitStateStore:
@@ -31,7 +37,7 @@ def _kv_cache(attn) -> torch.Tensor:
 
 @torch.inference_mode()
 def propagate_kv(
-    layers,
+    layers: Sequence[LayerParts],
     states: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
@@ -49,12 +55,11 @@ def propagate_kv(
     for layer_index in range(int(have.min()), target_depth):
         sel = have <= layer_index
         layer = layers[layer_index]
-        attn_mod = layer.self_attn
-        x = layer.input_layernorm(states[sel])
-        qkv, _ = attn_mod.qkv_proj(x)
-        q, k, v = qkv.split([attn_mod.q_size, attn_mod.kv_size, attn_mod.kv_size], dim=-1)
-        _, k = attn_mod.rotary_emb(positions[sel], q, k)
-        attn = attn_mod.attn
+        x = layer.input_norm(states[sel])
+        qkv, _ = layer.linear("qkv_proj")(x)
+        q, k, v = layer.split_qkv(qkv)
+        _, k = layer.rotary(positions[sel], q, k)
+        attn = layer.attn
         k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
         v = v.reshape(-1, attn.num_kv_heads, attn.head_size)
         attn.impl.do_kv_cache_update(attn, k, v, _kv_cache(attn), slots[sel])
@@ -64,7 +69,7 @@ def propagate_kv(
 
 @torch.inference_mode()
 def backfill(
-    layers,
+    layers: Sequence[LayerParts],
     record: SlotDepthRecord,
     store: ExitStateStore,
     slots: torch.Tensor,

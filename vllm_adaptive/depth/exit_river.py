@@ -26,26 +26,26 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from vllm_adaptive.config import LAYER_MODULES
 from vllm_adaptive.kernels.packed import PackedWeight
 from vllm_adaptive.kernels.weight_op import weight_linear_op
 from vllm_adaptive.kernels.weights import Weight, autotune_weight, linear, quantize_weight
 from vllm_adaptive.precision.tiers import packed_resident_bytes
 
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import LayerParts
+
 logger = logging.getLogger("vllm.adaptive.depth")
 
-LINEARS = (
-    ("self_attn", "qkv_proj"),
-    ("self_attn", "o_proj"),
-    ("mlp", "gate_up_proj"),
-    ("mlp", "down_proj"),
-)
+#: the block's linears the river keeps reduced copies of (every managed linear of a layer)
+LINEARS = LAYER_MODULES
 
 
 @dataclass
@@ -54,15 +54,10 @@ class RiverLayer:
     packed: dict[str, Weight]  # "qkv_proj" ... -> reduced-precision copy
 
 
-def _linear(layer: Any, name: str) -> Any:
-    parent, child = next(p for p in LINEARS if p[1] == name)
-    return getattr(getattr(layer, parent), child)
-
-
 class ExitRiver:
     def __init__(
         self,
-        layers: Any,
+        layers: Sequence[LayerParts],
         entry_layer: int,
         group_size: int,
         symmetric: bool,
@@ -72,6 +67,7 @@ class ExitRiver:
         L-1``); run after the weights are loaded. ``group_size`` and ``symmetric`` apply to
         int4; int8 is per-row symmetric (the packed kernel's layout), w8a8 per-row symmetric
         weights with per-token activations, fp16 the weight rounded."""
+        require_llama_blocks(layers[entry_layer:], "the Exit River (and the low-bit draft)")
         self.entry_layer = entry_layer
         self.precision = precision
         self.group_size = group_size if precision == "int4" else None
@@ -79,8 +75,8 @@ class ExitRiver:
         self.layers: dict[int, RiverLayer] = {}
         for i in range(entry_layer, len(layers)):
             packed = {}
-            for _, name in LINEARS:
-                w = _linear(layers[i], name).weight.detach()
+            for name in LINEARS:
+                w = layers[i].linear(name).weight.detach()
                 packed[name] = quantize_weight(w, precision, self.group_size, self.symmetric)
                 autotune_weight(packed[name])
             self.layers[i] = RiverLayer(i, packed)
@@ -109,11 +105,11 @@ class ExitRiver:
         )
 
     # -- one layer, backbone rows and river rows together ----------------------------------------
-    def _mixed(self, layer: Any, name: str, x: torch.Tensor, river: torch.Tensor, backbone):
+    def _mixed(self, layer: LayerParts, name: str, x: torch.Tensor, river: torch.Tensor, backbone):
         """The linear ``name`` for every row: float weights for ``backbone`` rows, int4 for
         ``river`` rows (index tensors into ``x``)."""
-        lin = _linear(layer, name)
-        packed = self.layers[layer_index(layer)].packed[name]
+        lin = layer.linear(name)
+        packed = self.layers[layer.index].packed[name]
         # every row in the river (backbone None): no gather
         xr = x if backbone is None else x.index_select(0, river)
         yr = linear(packed, xr)
@@ -130,22 +126,23 @@ class ExitRiver:
 
     def forward_layer(
         self,
-        layer: Any,
+        layer: LayerParts,
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         river: torch.Tensor,
         backbone: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's ``LlamaDecoderLayer.forward`` with the linears split by row; ``backbone``
-        None: every row is a river row."""
+        """Llama's block with the linears split by row; ``backbone`` None: every row is a river
+        row."""
         linears = {
-            name: (lambda x, n=name: self._mixed(layer, n, x, river, backbone))
-            for _, name in LINEARS
+            name: (lambda x, n=name: self._mixed(layer, n, x, river, backbone)) for name in LINEARS
         }
         return block_forward(layer, linears, positions, hidden, residual)
 
-    def river_ops(self, layers: Any) -> list[dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
+    def river_ops(
+        self, layers: Sequence[LayerParts]
+    ) -> list[dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
         """Per river layer, each linear as a call of one opaque op on its reduced copy (bias
         added): what a compiled all-river pass (the low-bit self-draft) runs."""
         ops = []
@@ -153,19 +150,19 @@ class ExitRiver:
             per_layer = {}
             for name, weight in river.packed.items():
                 op = weight_linear_op(weight)
-                bias = _linear(layers[i], name).bias
+                bias = layers[i].linear(name).bias
                 per_layer[name] = op if bias is None else (lambda x, f=op, b=bias: f(x) + b)
             ops.append(per_layer)
         return ops
 
     # -- backbone offloading ------------------------------------------------------------------
-    def map_backbone(self, layers: Any, directory: str | None = None) -> None:
+    def map_backbone(self, layers: Sequence[LayerParts], directory: str | None = None) -> None:
         """At load time (float weights still there): write the backbone's float linears of the
         river's layers to a file and keep a memory-mapped view of each on its linear."""
         tensors = {
-            f"{i}.{name}": _linear(layers[i], name).weight.detach().clone()
+            f"{i}.{name}": layers[i].linear(name).weight.detach().clone()
             for i in self.layers
-            for _, name in LINEARS
+            for name in LINEARS
         }
         if directory is None:
             self._offload_dir = tempfile.TemporaryDirectory(prefix="vllm-adaptive-offload-")
@@ -176,18 +173,18 @@ class ExitRiver:
         del tensors
         mapped = torch.load(path, mmap=True, weights_only=True)
         for i in self.layers:
-            for _, name in LINEARS:
-                _linear(layers[i], name)._adaptive_mapped = mapped[f"{i}.{name}"]
+            for name in LINEARS:
+                layers[i].linear(name)._adaptive_mapped = mapped[f"{i}.{name}"]
         self.offloaded = {"offloaded_backbone_bytes": moved}
         self.offload_file = path
 
-    def offload_backbone(self, layers: Any) -> None:
+    def offload_backbone(self, layers: Sequence[LayerParts]) -> None:
         """After vLLM's weight processing: drop the resident copies (prepacked CPU GEMM
         handles, float weights) and run those linears on the mapped weights."""
         done = 0
         for i in self.layers:
-            for _, name in LINEARS:
-                lin = _linear(layers[i], name)
+            for name in LINEARS:
+                lin = layers[i].linear(name)
                 mapped = getattr(lin, "_adaptive_mapped", None)
                 if mapped is not None:
                     _map_linear(lin, mapped)
@@ -204,38 +201,38 @@ class ExitRiver:
 
 
 def block_forward(
-    layer: Any,
+    layer: LayerParts,
     linears: dict[str, Callable[[torch.Tensor], torch.Tensor]],
     positions: torch.Tensor,
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``LlamaDecoderLayer.forward`` with its four linears replaced by ``linears``
-    (name -> ``x -> y``); norms, rotary and attention are the layer's own."""
+    """Llama's block (vLLM's ``LlamaDecoderLayer.forward``) from the layer's parts, with its
+    four linears replaced by ``linears`` (name -> ``x -> y``); norms, rotary and attention are
+    the layer's own. Holds only where ``layer.llama_block`` (callers check at build)."""
     if residual is None:
         residual = hidden
-        hidden = layer.input_layernorm(hidden)
+        hidden = layer.input_norm(hidden)
     else:
-        hidden, residual = layer.input_layernorm(hidden, residual)
-    attn = layer.self_attn
-    qkv = linears["qkv_proj"](hidden)
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q, k = attn.rotary_emb(positions, q, k)
-    hidden = linears["o_proj"](attn.attn(q, k, v))
-    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+        hidden, residual = layer.input_norm(hidden, residual)
+    q, k, v = layer.split_qkv(linears["qkv_proj"](hidden))
+    q, k = layer.rotary(positions, q, k)
+    hidden = linears["o_proj"](layer.attn(q, k, v))
+    hidden, residual = layer.post_attention_norm(hidden, residual)
     gate_up = linears["gate_up_proj"](hidden)
-    hidden = linears["down_proj"](layer.mlp.act_fn(gate_up))
+    hidden = linears["down_proj"](layer.act_fn(gate_up))
     return hidden, residual
 
 
-def layer_index(layer: Any) -> int:
-    """0-based index of a vLLM decoder layer (from its attention layer's name)."""
-    idx = getattr(layer, "_adaptive_index", None)
-    if idx is None:
-        name = layer.self_attn.attn.layer_name  # "model.layers.12.self_attn.attn"
-        idx = int(name.split(".layers.")[1].split(".")[0])
-        layer._adaptive_index = idx
-    return idx
+def require_llama_blocks(layers: Sequence[LayerParts], what: str) -> None:
+    """Refuse, naming ``what``, layers whose block is not Llama's (the block is re-run from
+    its parts, so another layout would compute another function)."""
+    odd = [layer.index for layer in layers if not layer.llama_block]
+    if odd:
+        raise ValueError(
+            f"{what} re-runs Llama's decoder block from its parts; layers {odd} have another "
+            "layout (extra norms, query/key norms, sliding window or experts)"
+        )
 
 
 def _map_linear(lin: Any, weight: torch.Tensor) -> None:

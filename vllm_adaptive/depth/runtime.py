@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests, exchange
 from vllm_adaptive.depth.schedule import DepthSchedule
 from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 logger = logging.getLogger("vllm.adaptive.depth")
 
@@ -80,7 +83,7 @@ class EngineCounters:
 class DepthRuntime:
     def __init__(
         self,
-        model: Any,
+        parts: ModelParts,
         config: Any,
         profile: ExitProfile,
         vllm_config: Any,
@@ -126,10 +129,11 @@ class DepthRuntime:
         self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
         self.proxy_floor = torch.from_numpy(profile.proxy_floor).float()
         self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
-        self.eps = float(model.norm.variance_epsilon)
+        self.eps = float(parts.final_norm.variance_epsilon)
         self.dtype = vllm_config.model_config.dtype
         self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
-        self.layer_names = [layer.self_attn.attn.layer_name for layer in model.layers]
+        self.parts = parts
+        self.layer_names = parts.layer_names
         self.record: SlotDepthRecord | None = None
         self.store: ExitStateStore | None = None
         self.sched_args: CpuSchedulerArgs | None = None
@@ -147,15 +151,15 @@ class DepthRuntime:
             self._warned.add(key)
             logger.warning(msg, *args)
 
-    def weights_loaded(self, model: Any) -> None:
+    def weights_loaded(self) -> None:
         """The float weights are loaded (the Exit River quantizes its copies from them)."""
-        self.kv.weights_loaded(self, model)
+        self.kv.weights_loaded(self, self.parts)
 
     # -- state next to the KV cache ------------------------------------------------------------
-    def _ensure_record(self, model: Any) -> bool:
+    def _ensure_record(self, parts: ModelParts) -> bool:
         if self.record is not None:
             return True
-        attn = model.layers[0].self_attn.attn
+        attn = parts.layers[0].attn
         cache = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
         if cache is None or cache.dim() != 4 or not hasattr(attn, "isa"):
             return False
@@ -163,7 +167,7 @@ class DepthRuntime:
         device = cache.device
         self.record = SlotDepthRecord(num_blocks * block_size, block_size, device)
         if self.config.refresh is not None or self.kv.stores_exit_states:
-            hidden = model.norm.weight.shape[0]
+            hidden = parts.hidden_size
             self.store = ExitStateStore(num_blocks * block_size, hidden, self.dtype, device)
         self.sched_args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
         self.norm_a, self.norm_b = self.norm_a.to(device), self.norm_b.to(device)
@@ -171,7 +175,7 @@ class DepthRuntime:
             self.signal.to(device)
         if self.accelerated is not None:
             self.accelerated.to(device)
-        self.kv.kv_cache_ready(self, model)
+        self.kv.kv_cache_ready(self, parts)
         logger.info(
             "vllm-adaptive depth: record for %d slots (block size %d), signal %s, kv_strategy "
             "%s, budget %.3g (%s), probes %s, floor %s, refresh %s",
@@ -188,7 +192,7 @@ class DepthRuntime:
         return True
 
     # -- 1. plan ---------------------------------------------------------------------------------
-    def _plan(self, model: Any, md: Any, positions: torch.Tensor) -> StepPlan:
+    def _plan(self, parts: ModelParts, md: Any, positions: torch.Tensor) -> StepPlan:
         record = self.record
         assert record is not None
         qsl = md.query_start_loc.cpu()
@@ -216,7 +220,7 @@ class DepthRuntime:
             if state is not None and counts[r] == 1 and p >= state.prompt_len:
                 decode[r] = True
                 t = p - state.prompt_len + 1
-                self.kv.plan_decode(self, model, draft, r, block_row, p, t)
+                self.kv.plan_decode(self, parts, draft, r, block_row, p, t)
                 floor[r] = self.schedule.floor(t)
                 if not state.off:
                     may_exit[r] = True
@@ -240,7 +244,7 @@ class DepthRuntime:
             resume=draft.resume,
         )
 
-    def _refresh(self, model: Any, block_row: torch.Tensor, p: int, cap: int) -> int:
+    def _refresh(self, parts: ModelParts, block_row: torch.Tensor, p: int, cap: int) -> int:
         """Backfill K/V of positions [0, p) up to ``cap`` layers; keep the old cap if the
         exit states needed are not stored."""
         record, store = self.record, self.store
@@ -249,7 +253,7 @@ class DepthRuntime:
             return int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
         pos = torch.arange(p, device=block_row.device)
         slots = record.slots(block_row, pos)
-        self.counters.backfilled_kv += backfill(model.layers, record, store, slots, pos, cap)
+        self.counters.backfilled_kv += backfill(parts.layers, record, store, slots, pos, cap)
         return cap
 
     # -- 2. peel ---------------------------------------------------------------------------------
@@ -261,7 +265,6 @@ class DepthRuntime:
     @torch.inference_mode()
     def forward(
         self,
-        model: Any,
         positions: torch.Tensor,
         hidden: torch.Tensor,
         input_ids: torch.Tensor | None = None,
@@ -270,13 +273,15 @@ class DepthRuntime:
         and profiling runs), and the caller runs every layer."""
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
+        parts = self.parts
+
         if not is_forward_context_available():
             return None
         md_dict = get_forward_context().attn_metadata
         if not isinstance(md_dict, dict) or self.layer_names[0] not in md_dict:
             return None
         md = md_dict[self.layer_names[0]]
-        if md is None or not hasattr(md, "block_table") or not self._ensure_record(model):
+        if md is None or not hasattr(md, "block_table") or not self._ensure_record(parts):
             return None
         n = int(md.num_actual_tokens)
         if n != positions.shape[0]:
@@ -284,9 +289,9 @@ class DepthRuntime:
             self.record.write(md.slot_mapping[:n], self.num_layers)
             return None
         t0 = time.perf_counter()
-        plan = self._plan(model, md, positions)
+        plan = self._plan(parts, md, positions)
         t_plan = time.perf_counter() - t0
-        out, depth = self.kv.run_layers(self, model, md, plan, positions, hidden, input_ids)
+        out, depth = self.kv.run_layers(self, parts, md, plan, positions, hidden, input_ids)
         self._commit(md, plan, depth, positions.shape[0])
         self.counters.decision_seconds += t_plan
         self.counters.forward_seconds += time.perf_counter() - t0
@@ -350,7 +355,7 @@ class DepthRuntime:
         first = act.qsl[j].to(h.device)  # decode rows: one token each
         stream = h[first] if res is None else h[first] + res[first]
         stash = accel.run(
-            step.model.layers,
+            step.parts.layers,
             step.ctx,
             step.md,
             self.sched_args,
@@ -364,7 +369,7 @@ class DepthRuntime:
         self.counters.accelerated_token_layers += int(j.numel()) * (gate - start)
         return stash
 
-    def _peel(self, model, ctx, md, plan: StepPlan, positions, hidden, input_ids=None):
+    def _peel(self, parts, ctx, md, plan: StepPlan, positions, hidden, input_ids=None):
         L = self.num_layers
         c = self.counters
         num_reqs = plan.cap.shape[0]
@@ -375,9 +380,9 @@ class DepthRuntime:
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
-        step = Step(model, md, plan, input_ids, ctx)
+        step = Step(parts, md, plan, input_ids, ctx)
         stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(parts.layers):
             count = i + 1
             if self.accelerated is not None and any_exit and rows.numel() > 0:
                 t0 = time.perf_counter()
@@ -389,7 +394,7 @@ class DepthRuntime:
             prev = None
             if any_exit and self._needs_prev(count):
                 prev = h if res is None else h + res  # the block's input stream
-            h, res = layer(pos, h, res)
+            h, res = layer.block(pos, h, res)
             p = self.probe_index.get(count)
             if p is None:
                 continue
@@ -417,14 +422,14 @@ class DepthRuntime:
             out[tok[ts]] = self._readout(p, stream).to(out.dtype)
             if arla_js is not None:
                 # ARLA exits emit the accelerated state p_{E_j}, read as the final layer is
-                out[tok[cur_qsl[arla_js].to(h.device)]] = model.norm(arla_p.contiguous()).to(
+                out[tok[cur_qsl[arla_js].to(h.device)]] = parts.final_norm(arla_p.contiguous()).to(
                     out.dtype
                 )
                 c.arla_exits += int(arla_js.numel())
             depth[rows[js]] = count
             if self.store is not None:
                 self.store.write(md.slot_mapping[tok[ts]], stream)
-            self.kv.exited(self, model, stream, md.slot_mapping[tok[ts]], pos[ts], count)
+            self.kv.exited(self, parts, stream, md.slot_mapping[tok[ts]], pos[ts], count)
             keep = torch.nonzero(~stop).squeeze(1)
             if keep.numel() == 0:
                 rows = keep
@@ -439,7 +444,7 @@ class DepthRuntime:
             c.peels += 1
             c.peel_seconds += time.perf_counter() - t1
         if rows.numel() > 0:
-            final, _ = model.norm(h, res)
+            final, _ = parts.final_norm(h, res)
             out[tok] = final
             depth[rows] = L
         return out, depth

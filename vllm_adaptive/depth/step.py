@@ -4,10 +4,13 @@ and the rows still running. Shared by the runtime and the KV strategies (`kv_str
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 
 @dataclass
@@ -27,7 +30,7 @@ class StepPlan:
 class Step:
     """What a step's layer loop runs on, fixed for the step."""
 
-    model: Any
+    parts: ModelParts
     md: Any  # the step's attention metadata (all rows)
     plan: StepPlan
     input_ids: torch.Tensor | None

@@ -9,30 +9,32 @@ groups with their own block tables; the LM head is tied to a 262,144-token embed
 What runs here, through vLLM's own Gemma 3 modules (inherited, not copied):
 
 - every mechanism off (``{"adaptive": {}}``): vLLM's forward, token-identical to stock;
-- precision gears: they swap the quant method of vLLM's linear layers, whose names
-  (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) Gemma 3 shares with Llama;
+- precision gears: they swap the quant method of the four managed linears
+  :func:`gemma3_layer_parts` names for the model interface (``models/interface.py``), which
+  also hands out the extra norms, the query/key norms and each layer's sliding window;
 - the "early" self-draft, with vLLM's hybrid KV cache manager off (one KV cache group) and
   only sliding-window layers in the draft: the draft step gives every layer the attention
   metadata and settings of layer 0.
 
 Everything else is refused when the engine starts (:func:`check_gemma3_supported`), with the
-key and the reason: the depth runtime and the low-bit and M2R2 drafts re-implement Llama's
-block, its plain final RMSNorm and a single KV cache group.
+key and the reason: the depth runtime and the low-bit and M2R2 drafts re-run Llama's block from
+its parts (Gemma's layers are not ``llama_block``), assume its plain final RMSNorm and a single
+KV cache group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 
-import torch
+from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
-from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
-from vllm_adaptive.models.llama import check_engine_compatible
-from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
-from vllm_adaptive.precision.controller import PrecisionController
+from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
+from vllm_adaptive.models.interface import LayerParts, ModelParts
+from vllm_adaptive.models.llama import check_engine_compatible, llama_layer_parts
 
 _DEPTH_REASON = (
     "adaptive.depth: the depth runtime supports Llama's layer layout only; Gemma 3 "
@@ -107,7 +109,20 @@ def check_gemma3_supported(
         )
 
 
-class AdaptiveGemma3ForCausalLM(Gemma3ForCausalLM):
+def gemma3_layer_parts(index: int, layer: nn.Module) -> LayerParts:
+    """The parts of vLLM's ``Gemma3DecoderLayer``: Llama's (vLLM names them alike) plus the
+    feed-forward norms, the query/key norms and the layer's own sliding window."""
+    attn = layer.self_attn
+    return replace(
+        llama_layer_parts(index, layer),
+        pre_feedforward_norm=layer.pre_feedforward_layernorm,
+        post_feedforward_norm=layer.post_feedforward_layernorm,
+        q_norm=attn.q_norm,
+        k_norm=attn.k_norm,
+    )
+
+
+class AdaptiveGemma3ForCausalLM(AdaptiveCausalLM, Gemma3ForCausalLM):
     """Registered as "AdaptiveGemma3ForCausalLM"; chosen by the dispatcher when
     `additional_config` has an "adaptive" section."""
 
@@ -120,56 +135,9 @@ class AdaptiveGemma3ForCausalLM(Gemma3ForCausalLM):
             hybrid_kv_cache=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         )
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.adaptive_config = adaptive
-        self.precision: PrecisionController | None = None
-        self._tokenizer_path = vllm_config.model_config.tokenizer
-        self._model_dir = vllm_config.model_config.model
-        self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
-        self.depth = None  # refused above; read by the introspection and the proposer
+        self._init_adaptive(vllm_config, adaptive)  # depth stays None: refused above
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = super().load_weights(weights)
-        if self.adaptive_config.active_speculative is not None:
-            from vllm_adaptive.speculative.drafts import build_draft
-
-            try:
-                self.speculative_draft = build_draft(
-                    self.adaptive_config.active_speculative, self, self._model_dir
-                )
-            except ValueError as e:
-                raise AdaptiveConfigError(str(e)) from None
-        if self.adaptive_config.active_precision is not None:
-            self.precision = install_precision(
-                self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
-            )
-        return loaded
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor | IntermediateTensors:
-        if self.precision is not None:
-            self.precision.begin_step(positions)
-        hidden = self.model(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-        if self.precision is not None and isinstance(hidden, torch.Tensor):
-            rows = self.precision.calibration_rows()
-            if rows is not None:
-                calibrate_from_prefill(self, hidden, rows)
-        return hidden
-
-    def kernel_dispatch(self) -> dict:
-        """The reduced-precision kernels this worker measured and runs (the bench records it
-        next to its timings)."""
-        from vllm_adaptive.introspection import kernel_dispatch
-
-        return kernel_dispatch(self)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden_states)
-        if self.precision is not None and logits is not None:
-            self.precision.observe_logits(logits)
-        return logits
+    def _build_parts(self) -> ModelParts:
+        return stack_parts(
+            self, gemma3_layer_parts, embedding_scale=float(self.config.hidden_size) ** 0.5
+        )

@@ -3,14 +3,15 @@
 The decoder layers, attention, weights and loading are vLLM's own (inherited, not copied).
 `AdaptiveLlamaModel.forward` hands the decoder stack to the depth runtime (`depth/runtime.py`,
 which decides which tokens run which layers) when adaptive depth is on and the step is one it
-can plan; otherwise `run_layers` runs every layer for every token. `AdaptiveLlamaForCausalLM`
-adds the precision gears and the self-speculative draft at `load_weights`. With every mechanism
-off the output is token-for-token stock vLLM's (tests/engine/test_identity.py).
+can plan; otherwise `run_layers` runs every layer for every token. `llama_layer_parts` is Llama's
+entry in the model interface (`models/interface.py`; the MoEfied model reuses it), and
+`AdaptiveLlamaForCausalLM` adds the depth runtime to what every adaptive twin has
+(`models/base.py`: the precision gears and the self-speculative draft at `load_weights`). With
+every mechanism off the output is token-for-token stock vLLM's (tests/engine/test_identity.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from itertools import islice
 
 import torch
@@ -24,8 +25,8 @@ from vllm.sequence import IntermediateTensors
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.depth.runtime import DepthRuntime
-from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
-from vllm_adaptive.precision.controller import PrecisionController
+from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
+from vllm_adaptive.models.interface import LayerParts, ModelParts
 
 
 def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -> None:
@@ -100,7 +101,7 @@ class AdaptiveLlamaModel(LlamaModel):
 
         runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
         if runtime is not None and residual is None and not extra_layer_kwargs:
-            out = runtime.forward(self, positions, hidden, input_ids)
+            out = runtime.forward(positions, hidden, input_ids)
             if out is not None:
                 return out
         hidden, residual = self.run_layers(positions, hidden, residual, **extra_layer_kwargs)
@@ -135,7 +136,7 @@ def _needs_masked_attention(depth) -> bool:
 
 
 def load_depth_runtime(
-    model: AdaptiveLlamaModel,
+    parts: ModelParts,
     vllm_config: VllmConfig,
     depth,
     unembed: torch.Tensor | None = None,
@@ -158,7 +159,7 @@ def load_depth_runtime(
         raise AdaptiveConfigError(
             f"adaptive.depth.floor.min_layers: {depth.floor.min_layers} > {num_layers} layers"
         )
-    attn = model.layers[0].self_attn.attn
+    attn = parts.layers[0].attn
     backend = attn.attn_backend.get_name()
     if backend not in SUPPORTED_BACKENDS:
         raise AdaptiveConfigError(
@@ -178,12 +179,36 @@ def load_depth_runtime(
     if reason is not None:
         raise AdaptiveConfigError(reason)
     try:
-        return DepthRuntime(model, depth, profile, vllm_config, unembed=unembed)
+        return DepthRuntime(parts, depth, profile, vllm_config, unembed=unembed)
     except (ProfileError, ValueError) as e:
         raise AdaptiveConfigError(f"adaptive.depth.signal: {e}") from None
 
 
-class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
+def llama_layer_parts(index: int, layer: nn.Module, dense_mlp: bool = True) -> LayerParts:
+    """The parts of vLLM's ``LlamaDecoderLayer`` (``dense_mlp`` False: its MLP is not
+    ``gate_up_proj``/``down_proj``, as in the MoEfied model, which names its experts itself)."""
+    attn = layer.self_attn
+    linears = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
+    if dense_mlp:
+        linears |= {"gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+    return LayerParts(
+        index=index,
+        block=layer,
+        attention=attn,
+        attn=attn.attn,
+        rotary=attn.rotary_emb,
+        q_size=attn.q_size,
+        kv_size=attn.kv_size,
+        input_norm=layer.input_layernorm,
+        post_attention_norm=layer.post_attention_layernorm,
+        linears=linears,
+        mlp=layer.mlp,
+        act_fn=layer.mlp.act_fn if dense_mlp else None,
+        sliding_window=getattr(attn.attn, "sliding_window", None),
+    )
+
+
+class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
     """Registered as "AdaptiveLlamaForCausalLM"; chosen by the dispatcher when
     `additional_config` has an "adaptive" section."""
 
@@ -201,71 +226,19 @@ class AdaptiveLlamaForCausalLM(LlamaForCausalLM):
 
             vllm_patches.apply("masked-attention-backend")  # before the layers pick a backend
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-        self.adaptive_config = adaptive
-        self.precision: PrecisionController | None = None
-        self._tokenizer_path = vllm_config.model_config.tokenizer
-        self._model_dir = vllm_config.model_config.model
-        self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
-        self.depth: DepthRuntime | None = None
+        self._init_adaptive(vllm_config, adaptive)
         if adaptive.active_depth is not None:
             from vllm_adaptive.batch_mirror import register_listener
 
+            parts = self.adaptive_parts()
             self.depth = load_depth_runtime(
-                self.model, vllm_config, adaptive.active_depth, self.lm_head.weight
+                parts, vllm_config, adaptive.active_depth, parts.head.weight
             )
             self.model.depth_runtime = self.depth
             register_listener("depth", self.depth)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = super().load_weights(weights)
-        if self.depth is not None:
-            self.depth.weights_loaded(self.model)
-        if self.adaptive_config.active_speculative is not None:
-            # Packed draft weights are made from the float ones, which vLLM's CPU weight
-            # processing (oneDNN prepacking) removes once loading ends.
-            from vllm_adaptive.speculative.drafts import build_draft
-
-            try:
-                self.speculative_draft = build_draft(
-                    self.adaptive_config.active_speculative, self, self._model_dir
-                )
-            except ValueError as e:
-                raise AdaptiveConfigError(str(e)) from None
-        if self.adaptive_config.active_precision is not None:
-            self.precision = install_precision(
-                self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
-            )
-            self.precision.stats.num_layers = self.config.num_hidden_layers
-        return loaded
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        if self.precision is not None:
-            self.precision.begin_step(positions)
-        hidden = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-        if self.precision is not None and isinstance(hidden, torch.Tensor):
-            rows = self.precision.calibration_rows()
-            if rows is not None:
-                calibrate_from_prefill(self, hidden, rows)
-        return hidden
-
-    def kernel_dispatch(self) -> dict:
-        """The reduced-precision kernels this worker measured and runs, per format, shape and
-        token-count bucket (the bench records it next to its timings)."""
-        from vllm_adaptive.introspection import kernel_dispatch
-
-        return kernel_dispatch(self)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden_states)
-        if self.precision is not None and logits is not None:
-            self.precision.observe_logits(logits)
-        return logits
+    def _build_parts(self) -> ModelParts:
+        return stack_parts(self, llama_layer_parts)
 
     def _init_model(
         self,

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.models.base import HasAdaptiveParts, stack_parts
+from vllm_adaptive.models.interface import LayerParts, ModelParts
+from vllm_adaptive.models.llama import llama_layer_parts
 from vllm_adaptive.moe.runtime import MoeRuntime, expert_cols, expert_rows, moe_resident, route
 
 logger = init_logger("vllm.adaptive.moe")
@@ -139,7 +143,7 @@ def _slow_tier_path(directory: str | None) -> Path:
     return path
 
 
-class MoefiedLlamaForCausalLM(LlamaForCausalLM):
+class MoefiedLlamaForCausalLM(HasAdaptiveParts, LlamaForCausalLM):
     """Registered as "MoefiedLlamaForCausalLM" (see the module docstring)."""
 
     def __init__(
@@ -177,8 +181,14 @@ class MoefiedLlamaForCausalLM(LlamaForCausalLM):
     ) -> MoefiedLlamaModel:
         return MoefiedLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
+    def _build_parts(self) -> ModelParts:
+        def layer_parts(i: int, layer: MoefiedDecoderLayer) -> LayerParts:
+            return replace(llama_layer_parts(i, layer, dense_mlp=False), experts=layer.mlp)
+
+        return stack_parts(self, layer_parts)
+
     def moe_layers(self) -> list[MoefiedMoE]:
-        return [layer.mlp for layer in self.model.layers]
+        return [layer.experts for layer in self.adaptive_parts().layers]
 
     # -- weights ------------------------------------------------------------------------------
 

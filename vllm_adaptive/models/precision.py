@@ -1,7 +1,8 @@
 """Wiring gears into a loaded vLLM model: build tiers, swap quant methods, make the controller.
 
-Engine glue (it knows the model's module names and raises config errors), so it lives with the
-models; the gears themselves are `vllm_adaptive.precision`."""
+Engine glue (it raises config errors and finds the linears through the model interface,
+``models/interface.py``), so it lives with the models; the gears themselves are
+`vllm_adaptive.precision`."""
 
 from __future__ import annotations
 
@@ -24,28 +25,6 @@ from vllm_adaptive.precision.tiers import LinearTiers
 
 logger = logging.getLogger("vllm.adaptive.precision")
 
-_MODULE_PATHS = {
-    "qkv_proj": ("self_attn", "qkv_proj"),
-    "o_proj": ("self_attn", "o_proj"),
-    "gate_up_proj": ("mlp", "gate_up_proj"),
-    "down_proj": ("mlp", "down_proj"),
-}
-
-
-def managed_linears(model, modules) -> list[tuple[int, str, torch.nn.Module]]:
-    """``(layer index, name, linear)`` for every managed decoder linear of this pipeline stage
-    (the LM head is handled apart: it has its own gear map)."""
-    inner = model.model
-    out = []
-    for i in range(inner.start_layer, inner.end_layer):
-        layer = inner.layers[i]
-        for m in modules:
-            if m not in _MODULE_PATHS:
-                continue
-            parent, child = _MODULE_PATHS[m]
-            out.append((i, f"layers.{i}.{parent}.{child}", getattr(getattr(layer, parent), child)))
-    return out
-
 
 def _smoothing_stats(cfg, model_dir: str | None) -> dict[str, torch.Tensor] | None:
     if cfg.smoothing is None:
@@ -62,20 +41,21 @@ def install_precision(
     """Quantize every managed linear (and the LM head) into its tiers and route it through the
     geared method; measure the float-activation kernels on this machine (``max_tokens``: the
     largest token count worth measuring)."""
-    dtype_name = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    parts = model.adaptive_parts()
+    dtype_name = str(parts.head.weight.dtype).removeprefix("torch.")
     try:
         cfg = cfg.for_dtype(dtype_name)
     except ValueError as e:
         raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
-    num_layers = model.config.num_hidden_layers
+    num_layers = parts.num_layers
     for g in cfg.layer_groups:
         if g.layers[1] > num_layers:
             raise AdaptiveConfigError(
                 f"adaptive.precision.layer_groups: layers {list(g.layers)} exceed the model's "
                 f"{num_layers} layers"
             )
-    policy = build_policy(cfg, model.config.vocab_size)
-    linears = managed_linears(model, cfg.modules)
+    policy = build_policy(cfg, parts.vocab_size)
+    linears = parts.managed_linears(cfg.modules)
     maps: list[tuple[str, ...]] = []
     controller = PrecisionController(cfg, policy, maps, tokenizer_path)
     layout = cfg.effective_tiers
@@ -96,8 +76,8 @@ def install_precision(
     stats = _smoothing_stats(cfg, model_dir)
     alpha = cfg.smoothing.alpha if cfg.smoothing is not None else 0.5
     head_map = cfg.head_map
-    if head_map is not None and getattr(model, "lm_head", None) is not None:
-        linears.append((num_layers, "lm_head", model.lm_head))
+    if head_map is not None and parts.head is not None:
+        linears.append((num_layers, "lm_head", parts.head))
     geared = []
     for i, name, linear in linears:
         gears = head_map if name == "lm_head" else cfg.layer_map(i, num_layers)
@@ -142,16 +122,16 @@ def calibrate_from_prefill(model, hidden: torch.Tensor, rows: tuple[int, int]) -
     start, end = rows
     n = controller.policy.settings.calibration_positions
     idx = np.unique(np.linspace(start, end - 1, min(n, end - start)).round().astype(np.int64))
-    logits = model.logits_processor(model.lm_head, hidden[torch.from_numpy(idx)])
+    logits = model.logits_processor(model.adaptive_parts().head, hidden[torch.from_numpy(idx)])
     controller.calibrate(entropy_bits(logits).tolist())
 
 
 def factors_for(
     act_absmax: dict[str, torch.Tensor], name: str, weight: torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """Smoothing factors of the linear ``name`` (vLLM's fused name: ``layers.3.self_attn.o_proj``
-    or ``lm_head``)."""
-    key = name.replace("self_attn.", "").replace("mlp.", "")
+    """Smoothing factors of the linear ``name`` (its fused name, ``layers.3.o_proj`` or
+    ``lm_head``, which is how smoothing profiles key their statistics)."""
+    key = name
     if key not in act_absmax:
         raise ProfileError(f"smoothing profile has no statistics for {key}")
     a = act_absmax[key]

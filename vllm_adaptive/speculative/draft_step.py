@@ -90,13 +90,13 @@ class SharedKVDraftStep:
 
     def __init__(self, model: Any, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
-        inner = model.model
-        self.layer_names = [layer.self_attn.attn.layer_name for layer in inner.layers]
+        parts = model.adaptive_parts()
+        self.layer_names = parts.layer_names
         self.block_size = int(vllm_config.cache_config.block_size)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.dtype = vllm_config.model_config.dtype
         self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
-        self._attn = inner.layers[0].self_attn.attn
+        self._attn = parts.layers[0].attn
         self.sched_args: CpuSchedulerArgs | None = None
         self.md: Any = None
 

@@ -22,13 +22,16 @@ and writes the runtime's record, store and counters through the runtime passed t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from vllm_adaptive.depth.mask_context import StepMask, publish_mask
 from vllm_adaptive.depth.peeling import step_metadata
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 
 @dataclass
@@ -57,17 +60,17 @@ class KvStrategy:
         """Why this engine cannot run the strategy (an `AdaptiveConfigError` message), or None."""
         return None
 
-    def weights_loaded(self, runtime: Any, model: Any) -> None:
+    def weights_loaded(self, runtime: Any, parts: ModelParts) -> None:
         """The model's float weights are loaded."""
 
-    def kv_cache_ready(self, runtime: Any, model: Any) -> None:
+    def kv_cache_ready(self, runtime: Any, parts: ModelParts) -> None:
         """The KV cache is allocated; the runtime's record and state are on its device."""
 
     # -- 1. plan -------------------------------------------------------------------------------
     def plan_decode(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         draft: PlanDraft,
         row: int,
         block_row: torch.Tensor,
@@ -92,7 +95,7 @@ class KvStrategy:
     def run_layers(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         md: Any,
         plan: Any,
         positions: torch.Tensor,
@@ -103,20 +106,20 @@ class KvStrategy:
         with the step's attention metadata swapped per peel and the strategy's mask published."""
         mask = self.step_mask(runtime, plan)
         with step_metadata(runtime.layer_names) as ctx, publish_mask(mask):
-            self.before_layers(runtime, model, ctx, md, plan)
-            return runtime._peel(model, ctx, md, plan, positions, hidden, input_ids)
+            self.before_layers(runtime, parts, ctx, md, plan)
+            return runtime._peel(parts, ctx, md, plan, positions, hidden, input_ids)
 
     def step_mask(self, runtime: Any, plan: Any) -> StepMask | None:
         """The KV mask the attention backend applies during the step, None: none."""
         return None
 
-    def before_layers(self, runtime: Any, model: Any, ctx: Any, md: Any, plan: Any) -> None:
+    def before_layers(self, runtime: Any, parts: ModelParts, ctx: Any, md: Any, plan: Any) -> None:
         """Runs inside the step's metadata context, before the first layer."""
 
     def exited(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         stream: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,

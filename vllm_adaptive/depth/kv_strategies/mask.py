@@ -5,12 +5,15 @@ record through `mask_context`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
 from vllm_adaptive.depth.mask_context import StepMask
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 
 class MaskStrategy(KvStrategy):
@@ -20,7 +23,7 @@ class MaskStrategy(KvStrategy):
     def plan_decode(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         draft: PlanDraft,
         row: int,
         block_row: torch.Tensor,

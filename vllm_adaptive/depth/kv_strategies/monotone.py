@@ -3,11 +3,14 @@ ever reads a layer an earlier token skipped; ``refresh`` raises the cap and back
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 
 class MonotoneStrategy(KvStrategy):
@@ -16,7 +19,7 @@ class MonotoneStrategy(KvStrategy):
     def plan_decode(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         draft: PlanDraft,
         row: int,
         block_row: torch.Tensor,
@@ -30,5 +33,5 @@ class MonotoneStrategy(KvStrategy):
             prev = runtime.num_layers
         c = runtime.schedule.cap(t, prev)
         if c > prev:
-            c = runtime._refresh(model, block_row, pos, c)
+            c = runtime._refresh(parts, block_row, pos, c)
         draft.cap[row] = c

@@ -4,12 +4,15 @@ projected from its exit state through that layer's norm, K/V projection and rota
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.backfill import propagate_kv
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 
 class PropagateStrategy(KvStrategy):
@@ -19,7 +22,7 @@ class PropagateStrategy(KvStrategy):
     def exited(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         stream: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
@@ -30,5 +33,5 @@ class PropagateStrategy(KvStrategy):
             return
         have = torch.full((stream.shape[0],), count, dtype=torch.long, device=stream.device)
         runtime.counters.propagated_kv += propagate_kv(
-            model.layers, stream, slots, positions, have, L
+            parts.layers, stream, slots, positions, have, L
         )

@@ -4,12 +4,15 @@ through the blocks it skipped, so its K/V exist at every layer when the current 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
 from vllm_adaptive.depth.peeling import one_token_cpu_metadata
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 
 class RecomputeStrategy(KvStrategy):
@@ -19,7 +22,7 @@ class RecomputeStrategy(KvStrategy):
     def plan_decode(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         draft: PlanDraft,
         row: int,
         block_row: torch.Tensor,
@@ -32,12 +35,12 @@ class RecomputeStrategy(KvStrategy):
         if 0 < d < runtime.num_layers:
             draft.resume.append((row, pos - 1, int(slot.item()), d))
 
-    def before_layers(self, runtime: Any, model: Any, ctx: Any, md: Any, plan: Any) -> None:
+    def before_layers(self, runtime: Any, parts: ModelParts, ctx: Any, md: Any, plan: Any) -> None:
         if plan.resume:
-            resume(runtime, model, ctx, md, plan.resume)
+            resume(runtime, parts, ctx, md, plan.resume)
 
 
-def resume(runtime: Any, model: Any, ctx: Any, md: Any, items: list) -> None:
+def resume(runtime: Any, parts: ModelParts, ctx: Any, md: Any, items: list) -> None:
     """Each decode row's previous token, which exited after ``d`` blocks, continues from its
     stored exit state through blocks ``d+1 .. L`` with full attention. Rows join the batch at
     their own layer. ``items``: (row, position, slot, depth) per token."""
@@ -70,7 +73,7 @@ def resume(runtime: Any, model: Any, ctx: Any, md: Any, items: list) -> None:
                 md, rows[idx], pos[idx.to(dev)] + 1, slots[idx.to(dev)], runtime.sched_args
             )
             ctx.install(sub, i)
-        h, res = model.layers[i](pos[active.to(dev)], h, res)
+        h, res = parts.layers[i].block(pos[active.to(dev)], h, res)
         runtime.counters.recomputed_kv += int(active.sum())
     ctx.install(md, 0)
     record.write(slots, L)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.exit_river import ExitRiver
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy
 from vllm_adaptive.depth.step import ActiveRows, Step
+
+if TYPE_CHECKING:
+    from vllm_adaptive.models.interface import ModelParts
 
 logger = logging.getLogger("vllm.adaptive.depth")
 
@@ -40,14 +43,14 @@ class RiverStrategy(KvStrategy):
             )
         return None
 
-    def weights_loaded(self, runtime: Any, model: Any) -> None:
+    def weights_loaded(self, runtime: Any, parts: ModelParts) -> None:
         """Quantize the river's layers from the float weights."""
         r = self.settings
         self.river = ExitRiver(
-            model.layers, r.entry_layer, r.group_size, r.symmetric, precision=r.precision
+            parts.layers, r.entry_layer, r.group_size, r.symmetric, precision=r.precision
         )
         if r.offload_backbone:
-            self.river.map_backbone(model.layers)
+            self.river.map_backbone(parts.layers)
         logger.info(
             "vllm-adaptive river: %s copies of blocks %d-%d, %.1f MB",
             self.river.quantizer,
@@ -56,14 +59,14 @@ class RiverStrategy(KvStrategy):
             self.river.resident_bytes() / 1e6,
         )
 
-    def kv_cache_ready(self, runtime: Any, model: Any) -> None:
+    def kv_cache_ready(self, runtime: Any, parts: ModelParts) -> None:
         if self.river is not None and self.settings.offload_backbone:
-            self.river.offload_backbone(model.layers)
+            self.river.offload_backbone(parts.layers)
 
     def run_layers(
         self,
         runtime: Any,
-        model: Any,
+        parts: ModelParts,
         md: Any,
         plan: Any,
         positions: torch.Tensor,
@@ -94,8 +97,8 @@ class RiverStrategy(KvStrategy):
         h, res = hidden, None
         any_exit = bool(plan.may_exit.any())
         all_rows = torch.arange(num_reqs)
-        step = Step(model, md, plan, input_ids)
-        for i, layer in enumerate(model.layers):
+        step = Step(parts, md, plan, input_ids)
+        for i, layer in enumerate(parts.layers):
             count = i + 1
             prev = None
             if any_exit and runtime._needs_prev(count):
@@ -108,7 +111,7 @@ class RiverStrategy(KvStrategy):
                 )
                 c.river_token_layers += int(river_tok[first[in_river.to(dev)]].sum())
             else:
-                h, res = layer(positions, h, res)
+                h, res = layer.block(positions, h, res)
             if prefill_river and count == river.entry_layer:
                 for r in torch.nonzero(prefill_rows).squeeze(1).tolist():
                     river_tok[int(qsl[r]) : int(qsl[r + 1])] = True
@@ -127,5 +130,5 @@ class RiverStrategy(KvStrategy):
                 river_tok[first[newly.to(dev)]] = True
                 depth[newly] = count
             c.decision_seconds += time.perf_counter() - t0
-        out, _ = model.norm(h, res)
+        out, _ = parts.final_norm(h, res)
         return out, depth

@@ -13,7 +13,8 @@ from vllm_adaptive.speculative.drafts.head import DraftHead
 
 class EarlyLayersDraft:
     def __init__(self, model: Any, depth: int, head_precision: str = "full") -> None:
-        num_layers = len(model.model.layers)
+        parts = model.adaptive_parts()
+        num_layers = parts.num_layers
         if depth >= num_layers:
             raise ValueError(
                 f"adaptive.speculative.layers: {depth} >= the model's {num_layers} layers "
@@ -22,9 +23,9 @@ class EarlyLayersDraft:
         self.depth = depth
         self.head = DraftHead(model, head_precision)
         self.name = f"early{depth}"
-        self.embed = model.model.embed_input_ids
-        self.layers = list(model.model.layers[:depth])
-        self.norm = model.model.norm
+        self.embed = parts.embed
+        self.layers = [layer.block for layer in parts.layers[:depth]]
+        self.norm = parts.final_norm
 
     def forward(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states of one draft position (rows = requests)."""

@@ -17,10 +17,11 @@ from vllm_adaptive.kernels.weights import Weight, autotune_weight, linear, quant
 class DraftHead:
     def __init__(self, model: Any, precision: str, group_size: int = 32, symmetric: bool = False):
         self.precision = precision
-        self.vocab = int(model.config.vocab_size)
+        parts = model.adaptive_parts()
+        self.vocab = parts.vocab_size
         self.packed: Weight | None = None
         if precision != "full":
-            w = model.lm_head.weight.detach()[: self.vocab]
+            w = parts.head.weight.detach()[: self.vocab]
             self.packed = quantize_weight(w, precision, group_size, symmetric)
             autotune_weight(self.packed)
 

@@ -24,7 +24,8 @@ logger = logging.getLogger("vllm.adaptive.speculative")
 
 class LowBitDraft:
     def __init__(self, model: Any, settings: SpeculativeConfig) -> None:
-        layers = model.model.layers
+        parts = model.adaptive_parts()
+        layers = parts.layers
         # ExitRiver holds packed copies of blocks entry..L-1 and runs a block with them while
         # sharing the backbone's norms, rotary and attention: entry 0 is the whole model.
         precision = settings.draft_precision
@@ -35,16 +36,16 @@ class LowBitDraft:
             model, settings.head_precision, settings.group_size, settings.symmetric
         )
         self.name = f"lowbit-{self.copies.quantizer}"
-        if model.lm_head.weight.dtype == torch.float32 and precision in ("int8", "int4"):
+        if parts.head.weight.dtype == torch.float32 and precision in ("int8", "int4"):
             logger.warning(
                 "vllm-adaptive speculative: float32 model: weight-only packed kernels have no fast "
                 "float32 path on CPU, so the %s draft is slower than the model itself (use "
                 "precision w8a8 or fp16, or bfloat16)",
                 self.copies.quantizer,
             )
-        self.embed = model.model.embed_input_ids
-        self.blocks = list(zip(model.model.layers, self.copies.river_ops(layers), strict=True))
-        self.norm = model.model.norm
+        self.embed = parts.embed
+        self.blocks = list(zip(layers, self.copies.river_ops(layers), strict=True))
+        self.norm = parts.final_norm
 
     def forward(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states of one draft position (rows = requests)."""

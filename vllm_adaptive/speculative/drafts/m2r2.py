@@ -16,6 +16,7 @@ import torch
 
 from vllm_adaptive.config import SpeculativeConfig
 from vllm_adaptive.depth.accelerated import accelerated_block
+from vllm_adaptive.depth.exit_river import require_llama_blocks
 from vllm_adaptive.m2r2.adapters import M2R2Adapters
 from vllm_adaptive.speculative.drafts.head import DraftHead
 
@@ -34,15 +35,17 @@ class M2R2Draft:
                 f"adaptive.speculative.layers: {settings.layers}, but the adapter was trained "
                 f"for a draft depth of {cfg.k} (leave layers out)"
             )
-        w = model.model.embed_tokens.weight
+        parts = model.adaptive_parts()
+        w = parts.embedding.weight
         self.adapters = adapters.to(device=w.device, dtype=w.dtype).eval()
         self.depth = cfg.k
         self.head = DraftHead(model, settings.head_precision)
         self.name = f"m2r2-k{cfg.k}-r{cfg.rank}"
         self.meta = meta
-        self.embed = model.model.embed_input_ids
-        self.layers = list(model.model.layers[: self.depth])
-        self.norm = model.model.norm
+        require_llama_blocks(parts.layers[: self.depth], "the M2R2 draft")
+        self.embed = parts.embed
+        self.layers = list(parts.layers[: self.depth])
+        self.norm = parts.final_norm
 
     def forward(self, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """Final-normed accelerated stream of one draft position (rows = requests)."""

@@ -1,0 +1,146 @@
+"""The one model interface the adaptive mechanisms use (issue 16, item 1).
+
+In the spirit of vLLM's ``SupportsEagle3``: an adaptive model class says it supports the
+mechanisms (:class:`SupportsAdaptive`) and hands out its parts (:class:`ModelParts`): the
+embedding, the decoder layers, the final norm and the LM head, and per layer
+(:class:`LayerParts`) its managed linears, attention, norms and rotary embedding. The depth
+runtime, the self-drafts and the precision gears read these parts and never a module attribute
+of a particular architecture, so a new architecture is one file in ``models/`` that fills them
+in (``llama.py``, ``gemma3.py``, ``moefied_llama.py``).
+
+What a part may be called with is vLLM's own contract for that module (norms take ``(x)`` or
+``(x, residual)``, linears return ``(y, bias)``, the rotary embedding ``(positions, q, k)``);
+the interface only says where the module is. Parts an architecture lacks are ``None``; a
+mechanism that re-implements a block checks :attr:`LayerParts.llama_block` first.
+
+Imported by mechanisms only under ``TYPE_CHECKING`` (``models/`` imports the mechanisms), so
+it holds no behaviour a mechanism must import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from vllm_adaptive.config import LAYER_MODULES
+
+#: The managed linears of a layer by vLLM's fused module name, the names
+#: ``adaptive.precision.modules`` uses (its ``lm_head`` is :attr:`ModelParts.head`).
+LINEAR_NAMES: tuple[str, ...] = LAYER_MODULES
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """One decoder layer as the mechanisms see it."""
+
+    index: int  # 0-based layer index in the whole model
+    block: nn.Module  # the layer: block(positions, hidden, residual) -> (hidden, residual)
+    attention: nn.Module  # its self-attention (projections, rotary, attention layer)
+    attn: nn.Module  # vLLM's attention layer: KV cache, layer_name, backend
+    rotary: nn.Module  # rotary(positions, q, k) -> (q, k)
+    q_size: int  # width of this worker's queries (heads * head_dim)
+    kv_size: int  # width of its keys and of its values
+    input_norm: nn.Module
+    post_attention_norm: nn.Module
+    #: managed linears by :data:`LINEAR_NAMES` name (a MoE layer has only the attention ones)
+    linears: Mapping[str, nn.Module]
+    mlp: nn.Module  # the feed-forward module: mlp(x) -> y
+    act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # gate_up -> down input
+    pre_feedforward_norm: nn.Module | None = None  # Gemma 3: norm of the MLP input
+    post_feedforward_norm: nn.Module | None = None  # Gemma 3: norm of the MLP output
+    q_norm: nn.Module | None = None  # Gemma 3: per-head norm of queries
+    k_norm: nn.Module | None = None  # Gemma 3: per-head norm of keys
+    sliding_window: int | None = None  # tokens a query sees; None: global attention
+    experts: nn.Module | None = None  # MoEfied: the routed experts that replace the MLP
+
+    @property
+    def llama_block(self) -> bool:
+        """Llama's block: two norms, no query/key norms, a dense gate_up/down MLP, global
+        attention. Mechanisms that run a block from its parts hold only on this layout."""
+        return (
+            self.pre_feedforward_norm is None
+            and self.post_feedforward_norm is None
+            and self.q_norm is None
+            and self.k_norm is None
+            and self.sliding_window is None
+            and self.experts is None
+            and self.act_fn is not None
+            and all(n in self.linears for n in LINEAR_NAMES)
+        )
+
+    def linear(self, name: str) -> nn.Module:
+        """The managed linear ``name``; a clear error where this layer has none."""
+        lin = self.linears.get(name)
+        if lin is None:
+            raise KeyError(
+                f"layer {self.index} has no managed linear {name!r} (it has {sorted(self.linears)})"
+            )
+        return lin
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of the fused ``qkv_proj`` output."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A loaded model as the mechanisms see it (this pipeline stage's layers)."""
+
+    #: token ids -> the first residual stream (the embedding times ``embedding_scale``)
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    embedding: nn.Module  # the token embedding table
+    layers: tuple[LayerParts, ...]  # this stage's decoder layers, ascending
+    final_norm: nn.Module  # final_norm(hidden, residual) -> (normed, residual)
+    head: nn.Module  # the LM head (tied to ``embedding`` on tied models)
+    num_layers: int  # decoder layers of the whole model
+    hidden_size: int
+    vocab_size: int
+    embedding_scale: float | None = None  # Gemma 3: sqrt(hidden); None: unscaled
+    info: dict[str, Any] = field(default_factory=dict)  # architecture notes for logs
+
+    @property
+    def layer_names(self) -> list[str]:
+        """vLLM's attention layer names (the keys of the forward context's metadata)."""
+        return [layer.attn.layer_name for layer in self.layers]
+
+    def managed_linears(self, names: tuple[str, ...]) -> list[tuple[int, str, nn.Module]]:
+        """``(layer index, fused name, linear)`` of the named managed linears of every layer, in
+        layer order; the fused name is ``layers.{i}.{name}`` (smoothing profiles key by it)."""
+        return [
+            (layer.index, f"layers.{layer.index}.{name}", layer.linears[name])
+            for layer in self.layers
+            for name in names
+            if name in layer.linears
+        ]
+
+
+@runtime_checkable
+class SupportsAdaptive(Protocol):
+    """A model class the adaptive mechanisms run on."""
+
+    supports_adaptive: ClassVar[Literal[True]] = True
+
+    def adaptive_parts(self) -> ModelParts:
+        """The model's parts (built once, after construction; the same modules stay in place
+        when weights load, gears swap quant methods or the river maps weights)."""
+        ...
+
+
+def supports_adaptive(model: object) -> bool:
+    return isinstance(model, SupportsAdaptive)
+
+
+def model_parts(model: object) -> ModelParts:
+    """``model.adaptive_parts()``, or an error naming the class that lacks the interface."""
+    if not supports_adaptive(model):
+        raise TypeError(
+            f"{type(model).__name__} does not implement vllm_adaptive.models.interface."
+            "SupportsAdaptive (adaptive_parts); the adaptive mechanisms run only on models "
+            "that do"
+        )
+    return model.adaptive_parts()  # type: ignore[attr-defined]
