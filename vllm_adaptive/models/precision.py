@@ -62,8 +62,8 @@ def install_precision(
     t0 = time.perf_counter()
     # the first managed weight (the head's when "modules" names it alone)
     first_name, first = (linears[0][1], linears[0][2].weight) if linears else ("lm_head", None)
-    if first is None and getattr(model, "lm_head", None) is not None:
-        first = model.lm_head.weight
+    if first is None and parts.head is not None:
+        first = parts.head.weight
     coarse = coarse_grid_fraction(first.detach().float()) if first is not None else 0.0
     if coarse >= 0.5:
         logger.warning(
