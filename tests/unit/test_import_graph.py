@@ -38,6 +38,7 @@ OFFLINE = (
     "vllm_adaptive.depth.calibrate",
     "vllm_adaptive.depth.calibrate_quicksilver",
     "vllm_adaptive.depth.calibrate_river",
+    "vllm_adaptive.depth.calibrate_fusion",
     "vllm_adaptive.depth.collect",
     "vllm_adaptive.depth.fusion_reference",
     "vllm_adaptive.depth.isotonic",
