@@ -175,12 +175,13 @@ def calibrate_fusion(
         raise ValueError(f"fusion layers must lie in 1..{num_layers - 1}: {list(opts.layers)}")
     FusionRule(0.0, opts.tau_attn, opts.weighting, opts.max_group)  # checks the rule's options
     exem = build_exemptions(tok, texts, int(model.config.vocab_size), opts)
-    # windows spread over each file in turn, so code and prose both take part
-    per_file = -(-(opts.fit_windows + opts.val_windows) // len(texts))
-    ws = []
-    for text in texts:
-        ws += windows(tok, [text], opts.prompt_len, opts.continuation, per_file)
-    fit, val = ws[0::2][: opts.fit_windows], ws[1::2][: opts.val_windows]
+    # windows spread evenly over each file, taken from the files in turn (every corpus takes
+    # part in both sets); the first ones give the distances, the others the figures
+    total = opts.fit_windows + opts.val_windows
+    per_file = [windows(tok, [t], opts.prompt_len, opts.continuation, -(-total // len(texts)))
+                for t in texts]  # fmt: skip
+    ws = [w for group in zip(*per_file, strict=True) for w in group][:total]
+    fit, val = ws[: opts.fit_windows], ws[opts.fit_windows :]
     p = opts.prompt_len
 
     def bar(total: int, desc: str):
