@@ -123,3 +123,13 @@ def test_bad_rule() -> None:
         FusionRule(tau_fuse=1.0, max_group=1)
     with pytest.raises(ValueError, match="tau_fuse"):
         FusionRule(tau_fuse=float("nan"))
+
+
+def test_split_repeats_blocks_pairs_of_one_token() -> None:
+    h = _line(0.0, 0.1, 0.2, 0.3)
+    ids = torch.tensor([5, 5, 6, 7])
+    assert fusion_groups(h, FusionRule(tau_fuse=1.0), token_ids=ids).num_groups == 1
+    g = fusion_groups(h, FusionRule(tau_fuse=1.0, split_repeats=True), token_ids=ids)
+    assert (g.starts.tolist(), g.ends.tolist()) == ([1], [3])
+    with pytest.raises(ValueError, match="token_ids"):
+        fusion_groups(h, FusionRule(tau_fuse=1.0, split_repeats=True))

@@ -49,6 +49,12 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--fusion-max-group", type=int, default=None, help="rows per group at most")
     p.add_argument(
+        "--fusion-split-repeats",
+        action="store_true",
+        help="never fuse two adjacent copies of one token (not in the paper; see "
+        "docs/token-fusion.md)",
+    )
+    p.add_argument(
         "--fusion-anchor",
         action="append",
         default=None,

@@ -60,6 +60,7 @@ class FusionCalibration:
     weighting: str = "uniform"
     tau_attn: float | None = None
     max_group: int | None = None
+    split_repeats: bool = False
     anchors: tuple[str, ...] = DEFAULT_ANCHORS
     rare_min_count: int = 3
     prompt_len: int = 512
@@ -149,7 +150,7 @@ def figures(runs: Sequence[FusionRun], bases: Sequence[FusionRun]) -> Figures:
 
 def _rules(taus: dict[int, float], opts: FusionCalibration) -> dict[int, FusionRule]:
     return {
-        layer: FusionRule(tau, opts.tau_attn, opts.weighting, opts.max_group)
+        layer: FusionRule(tau, opts.tau_attn, opts.weighting, opts.max_group, opts.split_repeats)
         for layer, tau in taus.items()
     }
 
@@ -173,7 +174,7 @@ def calibrate_fusion(
     layers = sorted(set(opts.layers))
     if not layers or layers[0] < 1 or layers[-1] >= num_layers:
         raise ValueError(f"fusion layers must lie in 1..{num_layers - 1}: {list(opts.layers)}")
-    FusionRule(0.0, opts.tau_attn, opts.weighting, opts.max_group)  # checks the rule's options
+    FusionRule(0.0, opts.tau_attn, opts.weighting, opts.max_group)  # check the options
     exem = build_exemptions(tok, texts, int(model.config.vocab_size), opts)
     # windows spread evenly over each file, taken from the files in turn (every corpus takes
     # part in both sets); the first ones give the distances, the others the figures
@@ -261,6 +262,7 @@ def calibrate_fusion(
         "weighting": opts.weighting,
         "tau_attn": opts.tau_attn,
         "max_group": opts.max_group,
+        "split_repeats": opts.split_repeats,
         "anchors": list(opts.anchors),
         "anchor_ids": [list(a) for a in exem.anchors],
         "special_ids": list(exem.special_ids),
@@ -304,7 +306,13 @@ def load_fusion_profile(profile_dir: str | Path, model_dir: str | Path) -> Fusio
     layers = [int(x) for x in prof.tensors["fusion_layers"].tolist()]
     taus = [float(x) for x in prof.tensors["fusion_tau"].tolist()]
     rules = {
-        layer: FusionRule(tau, m.get("tau_attn"), m["weighting"], m.get("max_group"))
+        layer: FusionRule(
+            tau,
+            m.get("tau_attn"),
+            m["weighting"],
+            m.get("max_group"),
+            m.get("split_repeats", False),
+        )
         for layer, tau in zip(layers, taus, strict=True)
         if tau > 0.0
     }
@@ -330,13 +338,12 @@ def evaluate(
     """Fusion against no fusion on ``count`` windows of ``texts`` (give held-out text)."""
     ws = windows(tok, texts, prompt_len, continuation, count)
     runs, bases = [], []
+    first = min(prof.rules, default=len(model.model.layers))
     for w in tqdm(ws, desc=f"evaluate {prompt_len}", unit="window", disable=not progress):
-        bases.append(fused_forward(model, w, prompt_len, {}))
-        runs.append(
-            fused_forward(
-                model, w, prompt_len, prof.rules, exempt=prof.exemptions.mask(w[:prompt_len])
-            )
-        )
+        start = prefix_state(model, w, first, prof.rules)  # shared by both runs
+        bases.append(fused_forward(model, w, prompt_len, {}, start=start))
+        exempt = prof.exemptions.mask(w[:prompt_len])
+        runs.append(fused_forward(model, w, prompt_len, prof.rules, exempt=exempt, start=start))
     return figures(runs, bases), runs, ws
 
 
@@ -377,6 +384,7 @@ def run_from_args(args: Any) -> int:
         weighting=args.fusion_weighting,
         tau_attn=args.fusion_tau_attn,
         max_group=args.fusion_max_group,
+        split_repeats=args.fusion_split_repeats,
         anchors=tuple(args.fusion_anchor) if args.fusion_anchor else DEFAULT_ANCHORS,
         rare_min_count=args.fusion_rare_min_count,
         prompt_len=args.fusion_prompt_len,

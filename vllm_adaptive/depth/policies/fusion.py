@@ -35,6 +35,10 @@ running, so a super-token made at an earlier fusion layer is one row) form a fus
   rare tokens (a frequency table: fewer than ``min_count`` occurrences in the calibration
   text), and whatever the caller adds (rows whose logits are sampled, halted rows: D.6 forbids
   fusing a halted token). An exempt row never joins a group.
+* **repeats** (not in the paper, off by default): ``split_repeats`` forbids a pair whose two
+  rows hold the same token id. On SmolLM2 the L2 rule's nearest pairs are runs of one repeated
+  token (newlines, non-breaking spaces), and merging them removes the count that the model
+  copies into the continuation (docs/token-fusion.md).
 
 `fusion_groups` returns the groups with at least two rows; `apply_fusion` builds the
 super-tokens and the rows that keep running.
@@ -58,6 +62,7 @@ class FusionRule:
     tau_attn: float | None = None
     weighting: str = "uniform"
     max_group: int | None = None
+    split_repeats: bool = False
 
     def __post_init__(self) -> None:
         if not self.tau_fuse >= 0.0:
@@ -174,11 +179,13 @@ def fusion_groups(
     attn_sim: torch.Tensor | None = None,
     score: torch.Tensor | None = None,
     mass: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> FusionGroups:
     """Groups of adjacent rows of ``hidden`` [T, H] to merge at this layer (see module doc).
 
     ``exempt`` [T] bool, ``attn_sim`` [T-1] (needed when ``rule.tau_attn`` is set), ``score``
-    [T] > 0 (needed for ``weighting="score"``), ``mass`` [T] (tokens each row stands for)."""
+    [T] > 0 (needed for ``weighting="score"``), ``mass`` [T] (tokens each row stands for),
+    ``token_ids`` [T] (each row's token, needed for ``split_repeats``)."""
     t = hidden.shape[0]
     dist = adjacent_distance(hidden) if t > 1 else hidden.new_zeros(0, dtype=torch.float32)
     pair = dist < rule.tau_fuse
@@ -191,6 +198,11 @@ def fusion_groups(
         if attn_sim is None or attn_sim.shape != (max(t - 1, 0),):
             raise ValueError("tau_attn is set: attn_sim [T-1] is required")
         pair &= attn_sim.float().cpu() > rule.tau_attn
+    if rule.split_repeats:
+        if token_ids is None or token_ids.shape != (t,):
+            raise ValueError("split_repeats is set: token_ids [T] is required")
+        ids = token_ids.cpu()
+        pair &= ids[1:] != ids[:-1]
     starts, ends = _runs(pair.cpu().tolist(), rule.max_group)
     weights = torch.zeros(t, dtype=torch.float32)
     if rule.weighting == "score":
