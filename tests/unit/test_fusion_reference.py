@@ -111,3 +111,11 @@ def test_prefix_state_resume_and_other_weightings(model) -> None:
     assert not torch.allclose(full.nll, uniform.nll, atol=1e-5)
     with pytest.raises(ValueError, match="fusion layers"):
         fused_forward(model, IDS, PROMPT, {4: FusionRule(tau_fuse=1.0)})
+
+
+def test_event_plot(model, tmp_path) -> None:
+    from vllm_adaptive.depth.calibrate_fusion import plot_events
+
+    run = fused_forward(model, IDS, PROMPT, {1: FusionRule(tau_fuse=1e9, max_group=2)})
+    plot_events(run, tmp_path / "events.png")
+    assert (tmp_path / "events.png").stat().st_size > 1000
