@@ -59,6 +59,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.smoothing and args.fusion:
+        raise SystemExit("calibrate: --smoothing and --fusion write different profiles (give one)")
+    if args.fusion:
+        from vllm_adaptive.depth.calibrate_fusion import run_from_args as run_fusion
+
+        return run_fusion(args)
     if args.smoothing:
         from vllm_adaptive.precision.smoothing import calibrate_smoothing
 
@@ -192,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     calib = sub.add_parser(
         "calibrate",
         help="offline calibration: an adaptive-depth profile (EMAD and exit signals), or with "
-        "--smoothing a W8A8 smoothing profile",
+        "--smoothing a W8A8 smoothing profile, --fusion a token fusion profile",
     )
     add_calibrate_arguments(calib)
     calib.set_defaults(func=_cmd_calibrate)

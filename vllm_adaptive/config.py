@@ -369,6 +369,22 @@ class ExitRiverConfig(_Strict):
     leave memory (a memory-mapped file on CPU, host memory on a GPU) until a token needs them."""
 
 
+class FusionConfig(_Strict):
+    """Contextual token fusion at prefill (QuickSilver 2.3; docs/token-fusion.md). The offline
+    half exists (``vllm-adaptive calibrate --fusion``, the reference forward); the engine
+    mechanism does not yet, so the config is refused at engine start with that message."""
+
+    profile: str = Field(min_length=1)
+    """Profile directory written by ``vllm-adaptive calibrate --fusion``."""
+
+
+FUSION_NOT_BUILT = (
+    '"fusion": contextual token fusion is not in the engine yet (issue 20: only its policy, '
+    "the plain-torch reference forward and `vllm-adaptive calibrate --fusion` exist; "
+    "docs/token-fusion.md has the design); remove adaptive.depth.fusion"
+)
+
+
 class DepthConfig(_Strict):
     """EMAD adaptive depth: calibrated early exit with a KV-consistent monotone schedule."""
 
@@ -393,6 +409,8 @@ class DepthConfig(_Strict):
     (River-LLM's Exit River)."""
     river: ExitRiverConfig | None = None
     """Settings of the "river" KV strategy (default ``{}``)."""
+    fusion: FusionConfig | None = None
+    """Contextual token fusion at prefill; needs kv_strategy "mask". Refused until built."""
 
     @model_validator(mode="after")
     def _check_strategy(self) -> DepthConfig:
@@ -403,6 +421,14 @@ class DepthConfig(_Strict):
             )
         if self.river is not None and self.kv_strategy != "river":
             raise ValueError('"river" settings given but kv_strategy is not "river"')
+        if self.fusion is not None:
+            if self.kv_strategy != "mask":
+                raise ValueError(
+                    '"fusion" needs kv_strategy "mask": fused tokens keep K/V only below the '
+                    "fusion layer and later queries must leave them out there "
+                    f'("{self.kv_strategy}" would read or cap on the missing layers)'
+                )
+            raise ValueError(FUSION_NOT_BUILT)
         return self
 
     @property

@@ -119,3 +119,13 @@ def test_unsupported_architecture_refused() -> None:
     check_architecture_supported(cfg(["Gemma3ForCausalLM"], {"adaptive": {}}))
     with pytest.raises(AdaptiveConfigError, match="no adaptive model class.*Qwen2ForCausalLM"):
         check_architecture_supported(cfg(["Qwen2ForCausalLM"], {"adaptive": {}}))
+
+
+def test_token_fusion_is_refused_until_the_engine_has_it() -> None:
+    depth = {"profile": "/p", "kv_strategy": "mask", "fusion": {"profile": "/f"}}
+    with pytest.raises(AdaptiveConfigError, match="adaptive.depth: .*not in the engine yet"):
+        parse_adaptive_config({"depth": depth})
+    with pytest.raises(AdaptiveConfigError, match='needs kv_strategy "mask"'):
+        parse_adaptive_config({"depth": {**depth, "kv_strategy": "monotone"}})
+    with pytest.raises(AdaptiveConfigError, match="fusion.profile"):
+        parse_adaptive_config({"depth": {**depth, "fusion": {}}})

@@ -19,6 +19,57 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "activation maxima of every linear's input; --tokens and --window apply) instead of "
         "an adaptive-depth profile",
     )
+    p.add_argument(
+        "--fusion",
+        action="store_true",
+        help="write a contextual token fusion profile (QuickSilver D.3: tau_fuse per fusion "
+        "layer for a perplexity tolerance; the --fusion-* options apply) instead of an "
+        "adaptive-depth profile",
+    )
+    p.add_argument(
+        "--fusion-layers", default="10,15,20", help="fusion after these many blocks (comma list)"
+    )
+    p.add_argument(
+        "--fusion-percentiles",
+        default="1,2.5,5,7.5,10,15,20,30",
+        help="candidate taus: these percentiles of the layer's adjacent-pair distances",
+    )
+    p.add_argument(
+        "--fusion-max-ppl-increase",
+        type=float,
+        default=0.01,
+        help="continuation perplexity tolerance against no fusion (0.01: +1%%)",
+    )
+    p.add_argument("--fusion-weighting", choices=("uniform", "score"), default="uniform")
+    p.add_argument(
+        "--fusion-tau-attn",
+        type=float,
+        default=None,
+        help="also require mean cos(q_next, k_prev) above this (off by default)",
+    )
+    p.add_argument("--fusion-max-group", type=int, default=None, help="rows per group at most")
+    p.add_argument(
+        "--fusion-split-repeats",
+        action="store_true",
+        help="never fuse two adjacent copies of one token (not in the paper; see "
+        "docs/token-fusion.md)",
+    )
+    p.add_argument(
+        "--fusion-anchor",
+        action="append",
+        default=None,
+        help='anchor string exempt from fusion (repeat; default "Question:" and "Answer:")',
+    )
+    p.add_argument(
+        "--fusion-rare-min-count",
+        type=int,
+        default=3,
+        help="tokens seen fewer times in the calibration text never fuse (0: off)",
+    )
+    p.add_argument("--fusion-prompt-len", type=int, default=512)
+    p.add_argument("--fusion-continuation", type=int, default=64, help="scored tokens/window")
+    p.add_argument("--fusion-fit-windows", type=int, default=4, help="windows for distances")
+    p.add_argument("--fusion-val-windows", type=int, default=8, help="windows for the grid")
     p.add_argument("--budget", type=float, default=0.6, help="cost fraction of full depth")
     p.add_argument("--budget-kind", choices=("layers", "flops"), default="layers")
     p.add_argument("--tokens", type=int, default=256 * 32, help="teacher-forced")
