@@ -305,7 +305,7 @@ class W8A16Weight(KernelLayouts):
         if kernel == "onednn":
             base.prepare("onednn")
             handler = base.prepared["onednn"]
-            return lambda x: _two_plane_onednn(x, base.inv_smooth, handler, n, x.shape[0])
+            return lambda x: _two_plane_onednn(x, base.inv_smooth, handler, n, None)
         if kernel == "reference":
             base.prepare("reference")
             w, inv = base.prepared["reference"], base.inv_smooth
@@ -316,55 +316,43 @@ class W8A16Weight(KernelLayouts):
         return self.nbytes + (0 if self.shared else self.base.resident_bytes() - self.base.nbytes)
 
 
-def _two_plane_onednn(x, inv, handler, n: int, high_from: int) -> torch.Tensor:
-    """Rows ``[0, m)`` at one int8 plane, rows ``[m - high_from, m)`` plus their residual plane:
-    one oneDNN GEMM over ``m + high_from`` rows (``high_from == m``: every row two planes)."""
+def _two_plane_onednn(
+    x: torch.Tensor, inv: torch.Tensor | None, handler, n: int, high: torch.Tensor | None
+) -> torch.Tensor:
+    """Every row's first int8 plane, plus the residual plane of the rows ``high`` (None: every
+    row), through one oneDNN GEMM over ``m + len(high)`` rows."""
     quant, mm = torch.ops._C.dynamic_scaled_int8_quant, torch.ops._C.onednn_scaled_mm
     if inv is not None:
         x = x * inv
     m, k = x.shape
-    h = high_from
+    h = m if high is None else high.shape[0]
     xq = torch.empty((m + h, k), dtype=torch.int8)
     xs = torch.empty((m + h, 1), dtype=torch.float32)
     quant(xq[:m], x, xs[:m], None)
-    hi = slice(m - h, m)
-    residual = x[hi] - xq[hi].float() * xs[hi]
-    quant(xq[m:], residual.contiguous(), xs[m:], None)
+    if high is None:
+        residual = torch.addcmul(x, xq[:m].float(), xs[:m], value=-1.0)
+    else:
+        residual = torch.addcmul(x.index_select(0, high), xq[high].float(), xs[high], value=-1.0)
+    quant(xq[m:], residual, xs[m:], None)
     out = torch.empty((m + h, n), dtype=torch.float32)
     mm(out, xq, xs, None, None, None, handler.handler_tensor)
-    y = out[:m]
-    y[hi] += out[m:]
-    return y
+    if high is None:
+        return torch.add(out[:m], out[m:])
+    return out[:m].index_add_(0, high, out[m:])
 
 
 def nested_w8a8_w8a16(weight: W8A16Weight, x: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` at W8A8, the rows ``high`` at W8A16, on shared codes in one GEMM (the
-    W8A16 rows are moved last so their second plane is one contiguous block)."""
-    m = x.shape[0]
-    order = torch.ones(m, dtype=torch.bool)
-    order[high] = False
-    low = order.nonzero().squeeze(1)
-    perm = torch.cat([low, high])
+    """Rows of ``x`` at W8A8, the rows ``high`` at W8A16, on shared codes in one GEMM: every
+    row's first plane, the second plane for ``high`` only, added back into those rows."""
     base = weight.base
     if onednn_int8_available():
         base.prepare("onednn")
-        y = _two_plane_onednn(
-            x.index_select(0, perm),
-            base.inv_smooth,
-            base.prepared["onednn"],
-            base.shape[0],
-            high.shape[0],
-        )
-    else:
-        base.prepare("reference")
-        xp = x.index_select(0, perm)
-        if base.inv_smooth is not None:
-            xp = xp * base.inv_smooth
-        xa = torch.cat([quantize_per_token(xp[: low.shape[0]]), _two_planes(xp[low.shape[0] :])])
-        y = F.linear(xa, base.prepared["reference"])
-    out = torch.empty_like(y)
-    out[perm] = y
-    return out
+        return _two_plane_onednn(x, base.inv_smooth, base.prepared["onednn"], base.shape[0], high)
+    base.prepare("reference")
+    xs = x if base.inv_smooth is None else x * base.inv_smooth
+    xa = quantize_per_token(xs)
+    xa[high] = _two_planes(xs[high])
+    return F.linear(xa, base.prepared["reference"])
 
 
 def _two_planes(x: torch.Tensor) -> torch.Tensor:
