@@ -66,7 +66,7 @@ def test_records_are_page_aligned_and_round_trip(slow) -> None:
             assert torch.equal(got["gate_up"], w[key]["gate_up"])
             assert torch.equal(got["down"], w[key]["down"])
     finally:
-        fast.executor.shutdown()
+        fast.loader.shutdown()
 
 
 def test_byte_bound(slow) -> None:
@@ -78,7 +78,7 @@ def test_byte_bound(slow) -> None:
         assert len(fast.where) <= 3
     assert fast.nbytes == 3 * LAYOUT.stride  # preallocated, never grows
     assert fast.stats.evictions == 3
-    fast.executor.shutdown()
+    fast.loader.shutdown()
     with pytest.raises(ValueError):
         FastTier(tier, 0)
 
@@ -93,7 +93,7 @@ def test_lru_order(slow) -> None:
     fast.drain()
     assert fast.resident((0, 0)) and fast.resident((0, 2)) and not fast.resident((0, 1))
     assert fast.stats.hits == 1 and fast.stats.misses == 3 and fast.stats.loads == 3
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_pins(slow) -> None:
@@ -121,7 +121,7 @@ def test_pins(slow) -> None:
     fast.unpin((0, 2))
     with pytest.raises(RuntimeError, match="not pinned"):
         fast.unpin((0, 2))
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_eviction_drops_pages(slow) -> None:
@@ -138,7 +138,7 @@ def test_eviction_drops_pages(slow) -> None:
         assert after == 0
         # a load reads its own record only: no read-around into the neighbours
         assert tier.resident_fraction((1, 2)) == 0 and tier.resident_fraction((0, 1)) == 0
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_loads_run_on_the_background_thread(slow) -> None:
@@ -146,7 +146,7 @@ def test_loads_run_on_the_background_thread(slow) -> None:
     fast = FastTier(tier, 2)
     _ready(fast, (0, 1))
     assert fast.loader_threads and threading.get_ident() not in fast.loader_threads
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_stall_and_ready_check(slow, monkeypatch) -> None:
@@ -172,7 +172,7 @@ def test_stall_and_ready_check(slow, monkeypatch) -> None:
     assert fast.stats.stall_seconds >= 0.04
     fast.views((0, 2))
     assert fast.stats.violations == 1
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_measure_bandwidth(slow) -> None:
@@ -277,3 +277,77 @@ def test_none_predicts_nothing_and_names_are_checked() -> None:
         make_predictor("m2r2")
     with pytest.raises(ValueError):
         PregatePredictor(lookahead=0)
+
+
+# -- loader priority ---------------------------------------------------------------------------
+
+
+def test_loader_runs_demand_first_promotes_and_cancels(tmp_path, monkeypatch) -> None:
+    """With the loader held on a first load: prefetches queued before an on-demand load run
+    after it, a queued prefetch a layer then needs runs right after the on-demand loads, and
+    queued prefetches for layers already computed are cancelled (never read, slot EMPTY)."""
+    layers, e = 4, 4
+    w = _weights(layers, e)
+    tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
+    fast = FastTier(tier, 8)
+    gate = threading.Event()
+    read = tier.read_into
+    order = []
+
+    def gated_read(key, dst):
+        gate.wait(5)
+        order.append(key)
+        read(key, dst)
+
+    monkeypatch.setattr(tier, "read_into", gated_read)
+    try:
+        assert fast.demand((0, 0))  # the loader picks it up and waits on the gate
+        deadline = time.monotonic() + 5
+        while fast.queued_loads() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert fast.queued_loads() == 0  # (0, 0) is running, nothing queued
+        for key in [(3, 0), (2, 1), (2, 2), (1, 3)]:  # prefetches, issued latest layer first
+            assert fast.start_load(key, soft=True)
+        assert fast.demand((1, 0))  # on demand: ahead of every queued prefetch
+        assert fast.demand((2, 2))  # a queued prefetch now needed: promoted
+        assert fast.stats.prefetch_promoted == 1 and fast.stats.late == 1
+        # layer 1 has run: its unneeded queued prefetch (1, 3) is cancelled, (2, *) stay
+        assert fast.cancel_prefetches(1) == 1
+        assert not fast.resident((1, 3)) and fast.resident((2, 1))
+        assert fast.stats.prefetch_cancelled == 1
+        gate.set()
+        fast.drain()
+        # on-demand first, then the promoted prefetch, then prefetches by target layer
+        assert order == [(0, 0), (1, 0), (2, 2), (2, 1), (3, 0)]
+        assert list(fast.loader.order) == order
+        assert (1, 3) not in order
+        assert fast.stats.loads == 5 and fast.stats.prefetches == 3
+        assert fast.stats.bytes_read == 5 * LAYOUT.nbytes
+        for key in [(0, 0), (1, 0), (2, 2)]:
+            fast.acquire(key)
+            fast.views(key)
+            fast.unpin(key)
+        # a prefetch that already started is not cancelled; a pinned one neither
+        assert fast.start_load((3, 3), soft=True)
+        fast.drain()
+        assert fast.cancel_prefetches() == 0 and fast.resident((3, 3))
+        assert fast.stats.violations == 0
+    finally:
+        fast.close()
+
+
+def test_loader_cancel_of_a_running_job_is_refused() -> None:
+    from vllm_adaptive.moe.tiers import DEMAND, Loader, prefetch_priority
+
+    loader = Loader()
+    started, release, ran = threading.Event(), threading.Event(), []
+    first = loader.submit(DEMAND, lambda: (started.set(), release.wait(5)), tag="first")
+    assert started.wait(5)
+    later = loader.submit(prefetch_priority(5), lambda: ran.append("later"), tag="later")
+    assert not first.cancel()  # running
+    assert not loader.promote(first, DEMAND)
+    assert later.cancel()
+    release.set()
+    loader.shutdown()
+    assert first.done() and later.cancelled() and ran == []
+    assert loader.order == ["first"]

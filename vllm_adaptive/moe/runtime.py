@@ -146,6 +146,7 @@ class MoeRuntime:
         for e in needed:
             if not tier.demand((layer, e)):
                 deferred.append(e)
+        tier.cancel_prefetches(layer)  # queued for this layer or earlier and not needed: too late
         self._score(layer, set(needed))
         if self.predictor.name != "none":
             for j, experts in sorted(self.predictor.predict(layer, x, residual).items()):
@@ -183,6 +184,7 @@ class MoeRuntime:
         self.steps += 1
         self.forward_seconds += seconds
         self._pending.clear()  # predictions past the last layer never get scored
+        self.tier.cancel_prefetches()  # every layer has run: queued prefetches are useless
         now = time.monotonic()
         if now - self._last_export >= 1.0:
             self._last_export = now
@@ -225,6 +227,9 @@ class MoeRuntime:
             "moe_misses": s.misses,
             "moe_loads": s.loads,
             "moe_evictions": s.evictions,
+            "moe_prefetches": s.prefetches,
+            "moe_prefetch_promoted": s.prefetch_promoted,
+            "moe_prefetch_cancelled": s.prefetch_cancelled,
             "moe_stall_seconds": s.stall_seconds,
             "moe_bytes_read": s.bytes_read,
             "moe_violations": s.violations,

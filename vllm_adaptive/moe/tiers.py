@@ -14,8 +14,13 @@ disk. :meth:`SlowTier.measure_bandwidth` times cold reads of a few records after
 bounded in bytes by the caller), an LRU over them plus two kinds of pins: hard pins (an expert
 the current layer is about to compute; never evicted) and soft pins (an expert a predictor
 prefetched for a later layer; evicted only by an on-demand load that finds nothing else). Loads
-run on one background thread (``ThreadPoolExecutor(1)``): the job drops the evicted record's
-pages, then copies the new record from the mapping into the slot. The state machine (EMPTY,
+run on one background thread (:class:`Loader`) in priority order, not FIFO: on-demand loads
+first, then prefetches by target layer (earliest first); a queued prefetch the compute turns
+out to need is promoted to on-demand (:meth:`FastTier.demand`), and queued prefetches for
+layers already computed are cancelled (:meth:`FastTier.cancel_prefetches`). Why: with a FIFO
+the on-demand loads of layer l waited behind prefetches for later layers, and pre-gating
+stalled more than no prediction at all (docs/moe-runtime.md). The job drops the evicted
+record's pages, then copies the new record from the mapping into the slot. The state machine (EMPTY,
 LOADING, READY) is only changed by the caller's thread; the loader thread only copies.
 :meth:`FastTier.acquire` returns an expert ready for compute, waiting on its load only when it
 is not ready yet: that wait is the stall time. :meth:`FastTier.views` is the only way to read a
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import heapq
+import itertools
 import logging
 import math
 import mmap
@@ -36,7 +43,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -223,6 +230,90 @@ class SlowTier:
         self.fd = -1
 
 
+# Load priorities (smaller first): on-demand loads, then prefetches by the layer they are for.
+DEMAND = (0, 0)
+
+
+def prefetch_priority(layer: int) -> tuple[int, int]:
+    return (1, layer)
+
+
+class Loader:
+    """One background thread running load jobs in priority order (see the module docstring).
+
+    :meth:`submit` returns the job's :class:`~concurrent.futures.Future`; :meth:`promote`
+    raises the priority of a job still queued; cancelling a queued job is the future's own
+    ``cancel()`` (the thread skips it). Jobs with equal priority run in submission order."""
+
+    def __init__(self, name: str = "moe-loader") -> None:
+        self._heap: list[tuple[tuple[int, int], int, Future]] = []
+        self._jobs: dict[Future, tuple[tuple[int, int], Callable[[], None]]] = {}
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.order: list[object] = []  # tags of the jobs run, in order (bounded; for tests)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: tuple[int, int], fn: Callable[[], None], tag=None) -> Future:
+        future: Future = Future()
+        future.tag = tag  # type: ignore[attr-defined]
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the loader is closed")
+            self._jobs[future] = (priority, fn)
+            heapq.heappush(self._heap, (priority, next(self._seq), future))
+            self._cv.notify()
+        return future
+
+    def promote(self, future: Future, priority: tuple[int, int]) -> bool:
+        """Give a queued job a higher priority; False when it started or finished already."""
+        with self._cv:
+            job = self._jobs.get(future)
+            if job is None or future.done() or future.running():
+                return False
+            if priority < job[0]:
+                self._jobs[future] = (priority, job[1])
+                # the old entry stays in the heap and is skipped when popped (priority changed)
+                heapq.heappush(self._heap, (priority, next(self._seq), future))
+            return True
+
+    def queued(self) -> int:
+        with self._cv:
+            return sum(not f.cancelled() for f in self._jobs)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                priority, _, future = heapq.heappop(self._heap)
+                job = self._jobs.get(future)
+                if job is None or job[0] != priority:
+                    continue  # the stale entry of a promoted job
+                del self._jobs[future]
+                fn = job[1]
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                fn()
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+            self.order.append(getattr(future, "tag", None))
+            del self.order[:-256]
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+
 EMPTY, LOADING, READY = "empty", "loading", "ready"
 
 
@@ -232,6 +323,7 @@ class Slot:
     key: Key | None = None
     state: str = EMPTY
     future: Future | None = None
+    evicted: Key | None = None  # the record this slot's queued load replaces (dropped by it)
     pins: int = 0  # hard pins: about to be computed; never evicted
     soft: bool = False  # prefetched for a later layer; evicted only as a last resort
     last_use: int = 0
@@ -245,6 +337,8 @@ class TierStats:
     loads: int = 0
     prefetches: int = 0  # loads started by a predictor
     prefetch_skipped: int = 0  # prefetches that found no evictable slot
+    prefetch_promoted: int = 0  # queued prefetches a layer needed: moved to on-demand priority
+    prefetch_cancelled: int = 0  # queued prefetches for layers already computed: never read
     evictions: int = 0
     stall_seconds: float = 0.0
     bytes_read: int = 0
@@ -271,7 +365,8 @@ class FastTier:
         self.slots = [Slot(i) for i in range(self.num_slots)]
         self.where: dict[Key, int] = {}
         self._clock = 0
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="moe-loader")
+        self.loader = Loader()
+        self._prefetching: set[int] = set()  # slots whose load was started as a prefetch
         self.loader_threads: set[int] = set()
         self._views = []
         shapes = dict(layout.parts)
@@ -293,12 +388,16 @@ class FastTier:
             self.slow.drop(evicted)
         self.slow.read_into(key, self._np[index])
 
+    def queued_loads(self) -> int:
+        """Loads submitted and not started yet (the loader's backlog)."""
+        return self.loader.queued()
+
     # -- state (caller's thread only) ---------------------------------------------------------
 
     def _poll(self, slot: Slot) -> None:
         if slot.state == LOADING and slot.future is not None and slot.future.done():
             slot.future.result()  # re-raise a failed load here
-            slot.state, slot.future = READY, None
+            slot.state, slot.future, slot.evicted = READY, None, None
 
     def _victim(self, allow_soft: bool) -> Slot | None:
         best = None
@@ -341,14 +440,19 @@ class FastTier:
                 del self.where[evicted]
                 self.stats.evictions += 1
             slot.key, slot.state, slot.soft, slot.pins = key, LOADING, False, 0
+            slot.evicted = evicted
             self._clock += 1
             slot.last_use = self._clock
-            slot.future = self.executor.submit(self._job, slot.index, key, evicted)
+            priority = prefetch_priority(key[0]) if soft else DEMAND
+            slot.future = self.loader.submit(
+                priority, lambda i=slot.index, k=key, ev=evicted: self._job(i, k, ev), tag=key
+            )
             self.where[key] = slot.index
             self.stats.loads += 1
             self.stats.bytes_read += self.slow.layout.nbytes
             if soft:
                 self.stats.prefetches += 1
+                self._prefetching.add(slot.index)
         else:
             slot = self.slots[i]
         if pin:
@@ -371,6 +475,39 @@ class FastTier:
             raise RuntimeError(f"unpin of {key}, which is not pinned")
         slot.pins -= 1
 
+    def cancel_prefetches(self, upto_layer: int | None = None) -> int:
+        """Cancel the queued (not started) prefetches for layers <= ``upto_layer`` (every layer
+        with None) that no layer pinned: they come too late to help. Their slots become EMPTY
+        (the record they were to replace is dropped here instead). Returns how many."""
+        n = 0
+        for index in sorted(self._prefetching):
+            slot = self.slots[index]
+            self._poll(slot)
+            if slot.state != LOADING:
+                self._prefetching.discard(index)
+            if (
+                slot.state != LOADING
+                or not slot.soft
+                or slot.pins
+                or slot.key is None
+                or (upto_layer is not None and slot.key[0] > upto_layer)
+                or slot.future is None
+                or not slot.future.cancel()
+            ):
+                continue
+            if slot.evicted is not None:
+                self.slow.drop(slot.evicted)
+            del self.where[slot.key]
+            slot.key, slot.state, slot.future, slot.evicted = None, EMPTY, None, None
+            slot.soft = False
+            self.stats.loads -= 1  # it never read anything
+            self.stats.prefetches -= 1
+            self.stats.bytes_read -= self.slow.layout.nbytes
+            self.stats.prefetch_cancelled += 1
+            self._prefetching.discard(index)
+            n += 1
+        return n
+
     def release_soft(self, layer: int | None = None) -> None:
         """Clear the soft pins of ``layer``'s experts (every layer's with None)."""
         for slot in self.slots:
@@ -390,6 +527,8 @@ class FastTier:
             else:
                 self.stats.misses += 1
                 self.stats.late += 1
+                if slot.future is not None and self.loader.promote(slot.future, DEMAND):
+                    self.stats.prefetch_promoted += 1
             slot.pins += 1
             return True
         self.stats.misses += 1
@@ -447,5 +586,5 @@ class FastTier:
             self._poll(slot)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        self.loader.shutdown()
         self.slow.close()
