@@ -210,7 +210,7 @@ def test_expert_split_matches_the_masked_dense_mlp() -> None:
     assert expert_forward(x[:1], gate_up[0], w_down[0]).shape == (1, H)
 
 
-@pytest.mark.parametrize("predictor", ["none", "pregate"])
+@pytest.mark.parametrize("predictor", ["none", "pregate", "m2r2"])
 @pytest.mark.parametrize("slots", [1, 3, 8])
 def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots) -> None:
     layers, e, k = 4, 4, 2
@@ -219,8 +219,9 @@ def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots
     routers = [torch.randn(e, H, generator=g) for _ in range(layers)]
     tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
     fast = FastTier(tier, slots)
-    pred = make_predictor(predictor, 2 if predictor == "pregate" else 1)
-    pred.bind(routers, k)
+    adapters = _adapters(layers, 2, k, e) if predictor == "m2r2" else None
+    pred = make_predictor(predictor, 1 if predictor == "none" else 2, adapters)
+    pred.bind(routers, k, norms=[torch.ones(H)] * layers)
     rt = MoeRuntime(fast, pred, layers, e, k)
     try:
         for step in range(3):
@@ -228,7 +229,7 @@ def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots
             x_ref = x.clone()
             for layer in range(layers):
                 mask = route(x, routers[layer], k)
-                got = rt.layer(layer, x, None, mask)
+                got = rt.layer(layer, x, x * 3, mask)
                 ref = moe_resident(
                     x_ref, mask, lambda i, la=layer: (w[la, i]["gate_up"], w[la, i]["down"])
                 )
@@ -240,8 +241,8 @@ def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots
         assert s["hits"] + s["misses"] > 0
         if slots < layers * e:
             assert s["evictions"] > 0
-        if predictor == "pregate":
-            assert s["prefetches"] + s["prefetch_skipped"] > 0
+        if predictor != "none":
+            assert s["prefetches"] + s["prefetch_skipped"] + s["prefetch_cancelled"] > 0
             assert set(s["prediction"]) == {"1", "2"}
             assert 0 < s["prediction"]["1"]["recall"] <= 1
         else:
@@ -274,6 +275,8 @@ def test_none_predicts_nothing_and_names_are_checked() -> None:
     p = make_predictor("none")
     assert isinstance(p, ExpertPredictor) and p.predict(0, torch.zeros(2, H), None) == {}
     with pytest.raises(ValueError, match="unknown predictor"):
+        make_predictor("oracle")
+    with pytest.raises(ValueError, match="needs trained adapters"):
         make_predictor("m2r2")
     with pytest.raises(ValueError):
         PregatePredictor(lookahead=0)
@@ -351,3 +354,70 @@ def test_loader_cancel_of_a_running_job_is_refused() -> None:
     loader.shutdown()
     assert first.done() and later.cancelled() and ran == []
     assert loader.order == ["first"]
+
+
+def _adapters(layers: int, distances: int, top_k: int, e: int, seed: int = 7):
+    from vllm_adaptive.moe.m2r2 import StreamAdapterConfig, StreamAdapters
+
+    ad = StreamAdapters(StreamAdapterConfig(layers, H, distances, 3, top_k, e))
+    ad.init_identity(seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        ad.up.copy_(torch.randn(ad.up.shape, generator=g))
+    return ad.requires_grad_(False)
+
+
+def test_m2r2_predictor_routes_the_adapters_estimate() -> None:
+    """Layer j's norm and router on the adapters' estimate of layer j's residual, top-k union;
+    with zero up-projections the estimate is the residual itself."""
+    from vllm_adaptive.moe.m2r2 import rms_norm
+    from vllm_adaptive.moe.predictors import M2R2Predictor
+
+    layers, e, k = 4, 6, 2
+    g = torch.Generator().manual_seed(8)
+    routers = [torch.randn(e, H, generator=g) for _ in range(layers)]
+    norms = [torch.rand(H, generator=g) + 0.5 for _ in range(layers)]
+    ad = _adapters(layers, 2, k, e)
+    p = make_predictor("m2r2", 2, ad)
+    assert isinstance(p, M2R2Predictor)
+    p.bind(routers, k, norms=norms, eps=1e-5)
+    h = torch.randn(3, H, generator=g) * 40
+    out = p.predict(1, torch.zeros(3, H), h)
+    assert sorted(out) == [2, 3]
+    for j, experts in out.items():
+        est = ad.estimate(1, j - 1, h)
+        want = (rms_norm(est, norms[j], 1e-5) @ routers[j].T).topk(k, dim=-1).indices
+        assert experts == sorted(set(want.flatten().tolist()))
+    # scale-equivariant: the router reads a normalised input
+    assert p.predict(1, torch.zeros(3, H), h * 10) == out
+    # zero adapters: the residual itself goes through layer j's norm and router
+    with torch.no_grad():
+        ad.up.zero_()
+    for j, experts in p.predict(0, torch.zeros(3, H), h).items():
+        want = (rms_norm(h, norms[j], 1e-5) @ routers[j].T).topk(k, dim=-1).indices
+        assert experts == sorted(set(want.flatten().tolist()))
+    assert p.predict(0, torch.zeros(0, H), h[:0]) == {}
+    with pytest.raises(ValueError, match="lookahead 3"):
+        make_predictor("m2r2", 3, ad)
+
+
+def test_m2r2_adapter_files_are_checked(tmp_path) -> None:
+    from vllm_adaptive.moe.m2r2 import StreamAdapterError, StreamAdapters, load_for_engine
+
+    ad = _adapters(4, 2, 2, 6)
+    ad.save(tmp_path / "a", {"model_fingerprint": None})
+    back, _ = StreamAdapters.load(tmp_path / "a")
+    assert torch.equal(back.up, ad.up) and torch.equal(back.down, ad.down)
+    kw = {"model_dir": None, "num_layers": 4, "hidden_size": H, "num_experts": 6}
+    load_for_engine(tmp_path / "a", top_k=2, lookahead=2, **kw)
+    with pytest.raises(StreamAdapterError, match="no M2R2 expert-prediction adapters"):
+        load_for_engine(tmp_path / "missing", top_k=2, lookahead=1, **kw)
+    with pytest.raises(StreamAdapterError, match="top-k 2, the engine routes top-k 3"):
+        load_for_engine(tmp_path / "a", top_k=3, lookahead=1, **kw)
+    with pytest.raises(StreamAdapterError, match="up to 2 layers ahead, lookahead is 3"):
+        load_for_engine(tmp_path / "a", top_k=2, lookahead=3, **kw)
+    with pytest.raises(StreamAdapterError, match="num_layers=4, the model has 5"):
+        load_for_engine(tmp_path / "a", top_k=2, lookahead=1, **{**kw, "num_layers": 5})
+    (tmp_path / "a" / "moe_m2r2.safetensors").write_bytes(b"garbage")
+    with pytest.raises(StreamAdapterError, match="sha256"):
+        StreamAdapters.load(tmp_path / "a")

@@ -172,6 +172,19 @@ class MoeRuntime:
         for distance, predicted in self._pending.pop(layer, {}).items():
             self.predictions.add(distance, predicted, needed)
 
+    def resize(self, slots: int) -> None:
+        """Replace the fast tier by an empty one of ``slots`` over the same slow tier (between
+        steps): every resident expert's pages are dropped, so the next loads are cold."""
+        from vllm_adaptive.moe.tiers import FastTier
+
+        old = self.tier
+        old.drain()
+        old.loader.shutdown()
+        for key in list(old.where):
+            old.slow.drop(key)
+        self.tier = FastTier(old.slow, slots)
+        self._pending.clear()
+
     def set_predictor(self, predictor: ExpertPredictor) -> None:
         """Swap the predictor between steps; pending predictions and soft pins are dropped."""
         self.predictor = predictor

@@ -341,6 +341,7 @@ class TierStats:
     prefetch_cancelled: int = 0  # queued prefetches for layers already computed: never read
     evictions: int = 0
     stall_seconds: float = 0.0
+    load_seconds: float = 0.0  # the loader thread's time in loads (written by it alone)
     bytes_read: int = 0
     violations: int = 0  # compute on a slot that was not READY with the asked key
 
@@ -383,10 +384,12 @@ class FastTier:
     # -- loader thread ------------------------------------------------------------------------
 
     def _job(self, index: int, key: Key, evicted: Key | None) -> None:
+        t0 = time.perf_counter()
         self.loader_threads.add(threading.get_ident())
         if evicted is not None:
             self.slow.drop(evicted)
         self.slow.read_into(key, self._np[index])
+        self.stats.load_seconds += time.perf_counter() - t0
 
     def queued_loads(self) -> int:
         """Loads submitted and not started yet (the loader's backlog)."""
