@@ -80,7 +80,9 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     m2r2.add_argument("--distances", type=int, default=2, help="lookahead distances 1..D")
     m2r2.add_argument("--rank", type=int, default=16)
-    m2r2.add_argument("--steps", type=int, default=300)
+    m2r2.add_argument("--steps", type=int, default=150)
+    m2r2.add_argument("--batch", type=int, default=256, help="tokens per step")
+    m2r2.add_argument("--lr", type=float, default=1e-2)
     m2r2.add_argument("--windows", type=int, default=12, help="windows of 256 tokens per corpus")
     m2r2.add_argument("--seed", type=int, default=0)
     m2r2.set_defaults(func=_run_train_m2r2)
@@ -163,6 +165,8 @@ def _run_train_m2r2(args: argparse.Namespace) -> int:
         distances=args.distances,
         rank=args.rank,
         steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
         windows_per_corpus=args.windows,
         seed=args.seed,
     )

@@ -80,8 +80,14 @@ class StreamAdapters(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.down = nn.Parameter(torch.zeros(c.num_layers, c.distances, c.rank, c.hidden_size))
-        self.up = nn.Parameter(torch.zeros(c.num_layers, c.distances, c.hidden_size, c.rank))
+        # float32 whatever the default dtype (vLLM builds models under bfloat16)
+        f32 = torch.float32
+        self.down = nn.Parameter(
+            torch.zeros(c.num_layers, c.distances, c.rank, c.hidden_size, dtype=f32)
+        )
+        self.up = nn.Parameter(
+            torch.zeros(c.num_layers, c.distances, c.hidden_size, c.rank, dtype=f32)
+        )
 
     def init_identity(self, seed: int = 0) -> None:
         """Down-projections ~ N(0, 1/H), up-projections zero: the estimate starts at h_l."""
@@ -336,8 +342,12 @@ def train_stream_adapters(
         loss.backward()
         opt.step()
         sched.step()
-        if progress and (step % 50 == 0 or step == steps - 1):
-            print(f"[moe train-m2r2] step {step}/{steps} loss {float(loss):.4f}", file=sys.stderr)
+        if progress and (step % 20 == 0 or step == steps - 1):
+            print(
+                f"[moe train-m2r2] step {step}/{steps} loss {loss.item():.4f} "
+                f"({time.perf_counter() - t1:.0f} s)",
+                file=sys.stderr,
+            )
     t_train = time.perf_counter() - t1
 
     # held-out recall per distance: adapters, zero adapter (h^ = h_l), pre-gating
