@@ -74,6 +74,8 @@ def _engine(model: str, top_k: int, moe: dict | None, kv_cache_gib: int):
     from vllm import LLM
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # the CPU backend's KV cache size
+    # apply_model sends the bench's functions (moe_stats, set_moe_*) to the engine's worker
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     args: dict[str, Any] = {
         "dtype": "bfloat16",
         "enforce_eager": True,
