@@ -9,7 +9,9 @@ layers ahead with adapters trained on the fixture for a few seconds), whose pred
 switched to ``pregate`` (2 ahead) and to ``none`` on the same engine. The
 workload is one batch of several greedy prompts, two sharing a prefix longer than a KV block,
 run twice (the second run reads the prefix cache), on the suite's engine arguments (prefix
-caching, chunked prefill, a small KV cache).
+caching, chunked prefill, a small KV cache); then, on the resident engine and the tiered one
+(m2r2), a batch that outgrows the 12 KV blocks while decoding, so requests are preempted and
+recomputed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ PREDICTORS = ["m2r2", "pregate", "none"]
 def _tiered(adapters: Path) -> dict:
     moe = {"capacity": 0.25, "predictor": "m2r2", "lookahead": 2, "m2r2_adapters": str(adapters)}
     return {"adaptive": {"moe": moe}}
+
+
+#: 6 prompts of 250 tokens hold 2 blocks of 128 each (all 12); decoding past 256 needs a third
+PREEMPT_PROMPTS = [[(97 * i + 31 * j) % 20000 + 200 for j in range(250)] for i in range(6)]
+
+
+def _preempting(llm) -> tuple[list[list[int]], float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = metric(llm, "vllm:num_preemptions")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PREEMPT_PROMPTS], params)
+    return [list(o.outputs[0].token_ids) for o in outs], metric(
+        llm, "vllm:num_preemptions"
+    ) - before
 
 
 def _generate(llm) -> list[list[int]]:
@@ -88,6 +106,7 @@ def runs(moefied_dir: Path, m2r2_adapters: Path) -> dict:
     try:
         out["resident"] = _generate(llm)
         (out["resident_stats"],) = llm.apply_model(moe_stats)
+        out["resident_preempt"] = _preempting(llm)
     finally:
         shutdown(llm)
     llm = make_llm(moefied_dir, _tiered(m2r2_adapters))
@@ -99,6 +118,8 @@ def runs(moefied_dir: Path, m2r2_adapters: Path) -> dict:
             llm.reset_prefix_cache()
             out[name] = _generate(llm)
             (out[f"{name}_stats"],) = llm.apply_model(moe_stats)
+            if name == "m2r2":
+                out["m2r2_preempt"] = _preempting(llm)
         out["prefix_hits"] = metric(llm, "vllm:prefix_cache_hits")
     finally:
         shutdown(llm)
@@ -142,3 +163,11 @@ def test_tiers_evicted_and_never_computed_an_unready_expert(runs, predictor) -> 
 
 def test_prefix_cache_was_used(runs) -> None:
     assert runs["prefix_hits"] > 0
+
+
+def test_preempted_requests_give_the_resident_output(runs) -> None:
+    ref, ref_preemptions = runs["resident_preempt"]
+    got, preemptions = runs["m2r2_preempt"]
+    assert ref_preemptions > 0 and preemptions > 0  # the workload really preempts
+    assert all(len(t) == 12 for t in ref)
+    assert got == ref

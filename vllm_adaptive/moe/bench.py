@@ -263,8 +263,8 @@ def run_bench(
 
 
 def plot_bench(result: dict[str, Any], path: str | Path) -> None:
-    """Per corpus and batch: tokens/s and stall per token against capacity, one line per
-    predictor, the resident speed as a dashed line."""
+    """Per corpus and batch: tokens/s, stall per token and hit rate against capacity, one
+    line per predictor, the resident speed as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,7 +272,7 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
 
     rows = result["tiered"]
     groups = sorted({(r["corpus"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(2, len(groups), figsize=(4.5 * len(groups), 7), squeeze=False)
+    fig, axes = plt.subplots(3, len(groups), figsize=(4.5 * len(groups), 10), squeeze=False)
     for col, (corpus, b) in enumerate(groups):
         mine = [r for r in rows if r["corpus"] == corpus and r["batch"] == b]
         labels = sorted({(r["predictor"], r["lookahead"]) for r in mine})
@@ -289,12 +289,16 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
                 marker="o",
                 label=label,
             )
+            axes[2][col].plot(xs, [r["hit_rate"] or 0 for _, r in pts], marker="o", label=label)
         ref = result["resident"][f"{corpus}/b{b}"]["tokens_per_s"]
         axes[0][col].axhline(ref, color="k", ls="--", label="all resident")
         axes[0][col].set_title(f"{corpus}, batch {b}")
         axes[0][col].set_ylabel("tokens/s")
         axes[1][col].set_ylabel("stall s / generated token")
-        axes[1][col].set_xlabel("fast tier, % of expert bytes")
+        axes[2][col].set_ylabel("fast-tier hit rate")
+        axes[2][col].set_xlabel("fast tier, % of expert bytes")
+        for row in axes:
+            row[col].set_ylim(bottom=0)
         axes[0][col].legend(fontsize=7)
     fig.suptitle(
         f"MoEfied SmolLM2-135M (upcycled, top-{result['top_k']} of 16), experts on disk, "
