@@ -386,6 +386,18 @@ def set_moe_predictor(
     runtime.set_predictor(predictor)
 
 
+def measure_moe_slow_tier(model, records: int = 64) -> dict:
+    """Cold-read ``records`` expert records spread over the slow tier (each dropped from the page
+    cache first): its read bandwidth, measured with more records than the start-up probe."""
+    runtime = _moefied(model).moe_runtime
+    if runtime is None:
+        raise ValueError("this engine keeps every expert resident (no adaptive.moe section)")
+    total = runtime.num_layers * runtime.num_experts
+    step = max(1, total // records)
+    keys = [divmod(i, runtime.num_experts) for i in range(0, total, step)][:records]
+    return runtime.tier.slow.measure_bandwidth(keys)
+
+
 def set_moe_capacity(model, capacity: float) -> int:
     """Give a tiered engine a new, empty fast tier of ``capacity`` x all experts (the bench
     sweeps capacities on one engine: the slow tier stays). Returns the slot count."""
