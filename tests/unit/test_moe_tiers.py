@@ -124,6 +124,24 @@ def test_pins(slow) -> None:
     fast.loader.shutdown()
 
 
+def test_cyclic_eviction_evicts_the_layer_that_comes_back_last(slow) -> None:
+    """Layers run 0, 1, 0, 1, ...: at layer 1, layer 1's own experts come back last (after
+    layer 0), so "cyclic" evicts them first where LRU evicts layer 0's older ones."""
+    tier, _ = slow
+    for eviction, survivor, evicted in [("lru", (1, 0), (0, 0)), ("cyclic", (0, 0), (1, 0))]:
+        fast = FastTier(tier, 2, eviction=eviction)
+        fast.current_layer = 0
+        _ready(fast, (0, 0))
+        fast.current_layer = 1
+        _ready(fast, (1, 0))
+        _ready(fast, (1, 1))  # needs a slot: (0, 0) is older, (1, 0) comes back later
+        fast.drain()
+        assert fast.resident(survivor) and not fast.resident(evicted), eviction
+        fast.loader.shutdown()
+    with pytest.raises(ValueError, match="eviction"):
+        FastTier(tier, 2, eviction="fifo")
+
+
 def test_eviction_drops_pages(slow) -> None:
     tier, _ = slow
     fast = FastTier(tier, 1)
@@ -210,15 +228,16 @@ def test_expert_split_matches_the_masked_dense_mlp() -> None:
     assert expert_forward(x[:1], gate_up[0], w_down[0]).shape == (1, H)
 
 
+@pytest.mark.parametrize("eviction", ["lru", "cyclic"])
 @pytest.mark.parametrize("predictor", ["none", "pregate", "m2r2"])
 @pytest.mark.parametrize("slots", [1, 3, 8])
-def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots) -> None:
+def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots, eviction) -> None:
     layers, e, k = 4, 4, 2
     w = _weights(layers, e, seed=3)
     g = torch.Generator().manual_seed(4)
     routers = [torch.randn(e, H, generator=g) for _ in range(layers)]
     tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
-    fast = FastTier(tier, slots)
+    fast = FastTier(tier, slots, eviction=eviction)
     adapters = _adapters(layers, 2, k, e) if predictor == "m2r2" else None
     pred = make_predictor(predictor, 1 if predictor == "none" else 2, adapters)
     pred.bind(routers, k, norms=[torch.ones(H)] * layers)

@@ -274,7 +274,7 @@ class MoefiedLlamaForCausalLM(LlamaForCausalLM):
         adapters = None
         if moe.predictor == "m2r2":
             adapters = self._load_m2r2(moe.m2r2_adapters, moe.lookahead)
-        tier = FastTier(slow, slots)
+        tier = FastTier(slow, slots, eviction=moe.eviction)
         predictor = make_predictor(moe.predictor, moe.lookahead, adapters)
         self._bind(predictor)
         runtime = MoeRuntime(
@@ -398,7 +398,7 @@ def measure_moe_slow_tier(model, records: int = 64) -> dict:
     return runtime.tier.slow.measure_bandwidth(keys)
 
 
-def set_moe_capacity(model, capacity: float) -> int:
+def set_moe_capacity(model, capacity: float, eviction: str | None = None) -> int:
     """Give a tiered engine a new, empty fast tier of ``capacity`` x all experts (the bench
     sweeps capacities on one engine: the slow tier stays). Returns the slot count."""
     m = _moefied(model)
@@ -409,5 +409,5 @@ def set_moe_capacity(model, capacity: float) -> int:
     slots = min(total, int(capacity * total + 1e-9))
     if slots < 1:
         raise ValueError(f"capacity {capacity}: the fast tier holds no expert")
-    runtime.resize(slots)
+    runtime.resize(slots, eviction)
     return slots

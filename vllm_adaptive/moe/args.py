@@ -110,6 +110,7 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--max-tokens", type=int, default=24)
     bench.add_argument("--slow-tier-dir", default=None, help="default: a temporary directory")
     bench.add_argument("--kv-cache-gib", type=int, default=1)
+    bench.add_argument("--eviction", choices=("lru", "cyclic"), default="lru")
     bench.add_argument("--out", required=True, help="JSON file")
     bench.add_argument("--plot", default=None, help="PNG file")
     bench.set_defaults(func=_run_bench)
@@ -194,6 +195,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         slow_tier_dir=args.slow_tier_dir,
         kv_cache_gib=args.kv_cache_gib,
+        eviction=args.eviction,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -147,6 +147,7 @@ def run_bench(
     max_tokens: int,
     slow_tier_dir: str | None,
     kv_cache_gib: int = 1,
+    eviction: str = "lru",
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -175,6 +176,7 @@ def run_bench(
         "model_label": "smollm2-135m-moefied: upcycled from dense SmolLM2-135M by this project, "
         f"no expert training; run at top-k {top_k} (docs/moe.md gives its quality cost)",
         "top_k": top_k,
+        "eviction": eviction,
         "workload": {
             "corpora": corpora,
             "prompt_tokens": prompt_tokens,
@@ -223,7 +225,9 @@ def run_bench(
         total_runs = len(capacities) * len(predictors) * len(batches) * len(workloads)
         done = 0
         for capacity in capacities:
-            (slots,) = llm.apply_model(partial(set_moe_capacity, capacity=capacity))
+            (slots,) = llm.apply_model(
+                partial(set_moe_capacity, capacity=capacity, eviction=eviction)
+            )
             warm = True
             for spec in predictors:
                 name, lookahead = parse_predictor(spec)
@@ -248,6 +252,7 @@ def run_bench(
                             "corpus": corpus,
                             "capacity": capacity,
                             "slots": slots,
+                            "eviction": eviction,
                             "predictor": name,
                             "lookahead": lookahead if name != "none" else 0,
                             "batch": b,
@@ -333,15 +338,17 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
 
 
 def table(result: dict[str, Any]) -> str:
-    """The markdown table of docs/moe-runtime.md."""
+    """The markdown table of docs/moe-runtime.md (per generated token: loads, seconds of the
+    loader, wall seconds, stall seconds)."""
     head = (
-        "| corpus | batch | fast tier | predictor | tok/s (x resident) | stall s/tok | hit rate "
-        "| late misses | loader busy | recall / precision d=1 | d=2 | identical |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| batch | fast tier | predictor | tok/s (x resident) | s/tok | stall s/tok | loads/tok "
+        "| loader s/tok | hit rate | late misses | recall / precision d=1 | d=2 | identical |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     lines = []
     for r in result["tiered"]:
         pred = r["prediction"]
+        g = r["generated_tokens"]
 
         def rp(d, pred=pred):
             v = pred.get(d)
@@ -350,12 +357,17 @@ def table(result: dict[str, Any]) -> str:
         name = (
             r["predictor"] if r["predictor"] == "none" else f"{r['predictor']} d={r['lookahead']}"
         )
+        corpus = f"{r['corpus']}, " if len(result["workload"]["corpora"]) > 1 else ""
         lines.append(
-            f"| {r['corpus']} | {r['batch']} | {r['capacity']:.0%} | {name} | "
-            f"{r['tokens_per_s']:.2f} ({r['speed_vs_resident']:.2f}x) | "
-            f"{r['stall_seconds_per_generated_token']:.3f} | {r['hit_rate'] or 0:.2f} | "
-            f"{r['late']} of {r['misses']} | {r['loader_busy_fraction']:.2f} | {rp('1')} | "
-            f"{rp('2')} | {'yes' if r['tokens_identical_to_resident'] else 'NO'} |"
+            f"| {corpus}{r['batch']} | {r['capacity']:.0%} | {name} | "
+            f"{r['tokens_per_s']:.2f} ({r['speed_vs_resident']:.2f}x) | {r['seconds'] / g:.3f} | "
+            f"{r['stall_seconds_per_generated_token']:.3f} | {r['loads'] / g:.0f} | "
+            f"{r['load_seconds'] / g:.3f} | {r['hit_rate'] or 0:.2f} | "
+            f"{r['late']} of {r['misses']} | {rp('1')} | {rp('2')} | "
+            f"{'yes' if r['tokens_identical_to_resident'] else 'NO'} |"
         )
-    res = " ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s;" for k, v in result["resident"].items())
+    res = " ".join(
+        f"{k}: {v['tokens_per_s']:.2f} tok/s ({v['seconds'] / v['generated_tokens']:.3f} s/tok);"
+        for k, v in result["resident"].items()
+    )
     return head + "\n".join(lines) + f"\n\nAll resident: {res}\n"

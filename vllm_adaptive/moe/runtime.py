@@ -139,6 +139,7 @@ class MoeRuntime:
         self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, mask: torch.Tensor
     ) -> torch.Tensor:
         tier = self.tier
+        tier.current_layer = layer
         needed = mask.any(0).nonzero().flatten().tolist()
         if layer == 0:
             self.tokens += x.shape[0]
@@ -172,7 +173,7 @@ class MoeRuntime:
         for distance, predicted in self._pending.pop(layer, {}).items():
             self.predictions.add(distance, predicted, needed)
 
-    def resize(self, slots: int) -> None:
+    def resize(self, slots: int, eviction: str | None = None) -> None:
         """Replace the fast tier by an empty one of ``slots`` over the same slow tier (between
         steps): every resident expert's pages are dropped, so the next loads are cold."""
         from vllm_adaptive.moe.tiers import FastTier
@@ -182,7 +183,7 @@ class MoeRuntime:
         old.loader.shutdown()
         for key in list(old.where):
             old.slow.drop(key)
-        self.tier = FastTier(old.slow, slots)
+        self.tier = FastTier(old.slow, slots, eviction=eviction or old.eviction)
         self._pending.clear()
 
     def set_predictor(self, predictor: ExpertPredictor) -> None:
@@ -217,6 +218,7 @@ class MoeRuntime:
         demanded = s["hits"] + s["misses"]
         return {
             **self.info,
+            "eviction": self.tier.eviction,
             "predictor": self.predictor.name,
             "lookahead": self.predictor.lookahead,
             "slots": self.tier.num_slots,

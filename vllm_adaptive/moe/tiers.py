@@ -315,6 +315,7 @@ class Loader:
 
 
 EMPTY, LOADING, READY = "empty", "loading", "ready"
+EVICTIONS = ("lru", "cyclic")
 
 
 @dataclass
@@ -356,10 +357,18 @@ class FastTier:
     slow: SlowTier
     num_slots: int
     stats: TierStats = field(default_factory=TierStats)
+    #: "lru": evict the least recently used expert; "cyclic": the expert whose layer comes
+    #: back last in the layer cycle (the layer that just ran first; LRU order within a layer).
+    #: Layers run in a fixed cycle, so LRU evicts what is needed soonest once the experts a step
+    #: needs outgrow the tier; "cyclic" is Belady's choice for that cycle.
+    eviction: str = "lru"
+    current_layer: int = 0  # set by the caller before each layer
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"the fast tier needs at least one slot, got {self.num_slots}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         layout = self.slow.layout
         self.buffer = torch.zeros((self.num_slots, layout.stride), dtype=torch.uint8)
         self._np = self.buffer.numpy()
@@ -402,8 +411,16 @@ class FastTier:
             slot.future.result()  # re-raise a failed load here
             slot.state, slot.future, slot.evicted = READY, None, None
 
+    def _rank(self, slot: Slot) -> tuple:
+        """Eviction order: the smallest goes first (soft pins last)."""
+        if self.eviction == "cyclic" and slot.key is not None:
+            layers = self.slow.num_layers
+            comes_back_in = (slot.key[0] - self.current_layer - 1) % layers
+            return (slot.soft, -comes_back_in, slot.last_use)
+        return (slot.soft, 0, slot.last_use)
+
     def _victim(self, allow_soft: bool) -> Slot | None:
-        best = None
+        best, best_rank = None, None
         for slot in self.slots:
             self._poll(slot)
             if slot.state == LOADING or slot.pins:
@@ -412,8 +429,9 @@ class FastTier:
                 return slot
             if slot.soft and not allow_soft:
                 continue
-            if best is None or (slot.soft, slot.last_use) < (best.soft, best.last_use):
-                best = slot
+            rank = self._rank(slot)
+            if best is None or rank < best_rank:
+                best, best_rank = slot, rank
         return best
 
     def state(self, key: Key) -> str:
