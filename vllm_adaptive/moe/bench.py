@@ -104,6 +104,7 @@ def _engine(model: str, top_k: int, moe: dict | None, kv_cache_gib: int):
 def _summary(stats: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     gen = run["generated_tokens"]
     keep = (
+        "loader_cpus",
         "slots",
         "hits",
         "misses",

@@ -219,6 +219,7 @@ class MoeRuntime:
         return {
             **self.info,
             "eviction": self.tier.eviction,
+            "loader_cpus": sorted(self.tier.loader.cpus) if self.tier.loader.cpus else None,
             "predictor": self.predictor.name,
             "lookahead": self.predictor.lookahead,
             "slots": self.tier.num_slots,

@@ -230,6 +230,22 @@ class SlowTier:
         self.fd = -1
 
 
+def _off_compute_cpus() -> set[int] | None:
+    """Move the calling (loader) thread off the compute thread's CPUs, where there are others.
+    Why: vLLM's CPU worker binds its compute thread to its cores and threads it starts inherit
+    that mask, so the loads would time-share the compute core instead of overlapping with it.
+    Returns the loader's CPUs (None: unchanged)."""
+    try:
+        mine = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - mine
+        if not others:
+            return None
+        os.sched_setaffinity(0, others)  # 0: this thread
+        return others
+    except (AttributeError, OSError):
+        return None
+
+
 # Load priorities (smaller first): on-demand loads, then prefetches by the layer they are for.
 DEMAND = (0, 0)
 
@@ -251,6 +267,7 @@ class Loader:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
+        self.cpus: set[int] | None = None  # set by the thread: its CPUs when it moved off
         self.order: list[object] = []  # tags of the jobs run, in order (bounded; for tests)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -283,6 +300,7 @@ class Loader:
             return sum(not f.cancelled() for f in self._jobs)
 
     def _run(self) -> None:
+        self.cpus = _off_compute_cpus()
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
