@@ -29,6 +29,11 @@ in prometheus_client's default registry, which vLLM's ``/metrics`` serves:
 ``vllm_adaptive:moe_expert_misses_total``   counter  ... absent or still loading
 ``vllm_adaptive:moe_expert_loads_total``    counter  slow-tier loads (on demand + prefetch)
 ``vllm_adaptive:moe_expert_evictions_total`` counter fast-tier evictions
+``vllm_adaptive:moe_prefetches_total``      counter  prefetch loads a predictor started
+``vllm_adaptive:moe_prefetches_promoted_total`` counter queued prefetches a layer then
+                                                     needed (moved to on-demand priority)
+``vllm_adaptive:moe_prefetches_cancelled_total`` counter queued prefetches cancelled (their
+                                                     layer had run; never read)
 ``vllm_adaptive:moe_stall_seconds_total``   counter  compute waiting for expert loads
 ``vllm_adaptive:moe_read_bytes_total``      counter  bytes read from the slow tier
 ``vllm_adaptive:moe_expert_hit_rate``       gauge    hits / (hits + misses) (absent before
@@ -115,6 +120,17 @@ COUNTERS = (
     ),
     ("moe_expert_loads_total", "moe_loads", "Expert loads from the slow tier."),
     ("moe_expert_evictions_total", "moe_evictions", "Experts evicted from the fast tier."),
+    ("moe_prefetches_total", "moe_prefetches", "Expert prefetch loads a predictor started."),
+    (
+        "moe_prefetches_promoted_total",
+        "moe_prefetch_promoted",
+        "Queued expert prefetches a layer needed before they started (promoted to on-demand).",
+    ),
+    (
+        "moe_prefetches_cancelled_total",
+        "moe_prefetch_cancelled",
+        "Queued expert prefetches cancelled because their layer had already run.",
+    ),
     (
         "moe_stall_seconds_total",
         "moe_stall_seconds",

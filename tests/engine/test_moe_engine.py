@@ -4,11 +4,12 @@
 The model is the **mechanics fixture** of ``tests/support/moefied.py`` (the default dense model
 split into 8 experts by the identity permutation, with a random top-4 router): its text means
 nothing and no hit rate measured here says anything about a real MoE. One engine pair, one at a
-time: all-resident (no ``adaptive`` section), then tiered (``capacity`` 0.25, ``pregate``
-looking 2 layers ahead), whose predictor is then switched to ``none`` on the same engine. The
+time: all-resident (no ``adaptive`` section), then tiered (``capacity`` 0.25, ``m2r2`` looking 2
+layers ahead with adapters trained on the fixture for a few seconds), whose predictor is then
+switched to ``pregate`` (2 ahead) and to ``none`` on the same engine. The
 workload is one batch of several greedy prompts, two sharing a prefix longer than a KV block,
 run twice (the second run reads the prefix cache), on the suite's engine arguments (prefix
-caching, chunked prefill, a small KV cache).
+caching, chunked prefill, a small KV cache). Preemption: ``tests/slow/test_moe_preemption.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import make_llm, metric, shutdown
-from tests.support.moefied import build_mechanics_moefied
+from tests.support.moefied import build_mechanics_moefied, train_fixture_adapters
 from tests.support.workloads import PROMPTS
 from vllm_adaptive.introspection import describe_parts
 from vllm_adaptive.models.moefied_llama import moe_stats, reset_moe_stats, set_moe_predictor
@@ -27,7 +28,12 @@ from vllm_adaptive.models.moefied_llama import moe_stats, reset_moe_stats, set_m
 SHARED = "Here is a long list of facts about the planets of the solar system. " * 12
 BATCH = [*PROMPTS[:5], SHARED + "Mercury is", SHARED + "Neptune is"]
 MAX_TOKENS = 16
-TIERED = {"adaptive": {"moe": {"capacity": 0.25, "predictor": "pregate", "lookahead": 2}}}
+PREDICTORS = ["m2r2", "pregate", "none"]
+
+
+def _tiered(adapters: Path) -> dict:
+    moe = {"capacity": 0.25, "predictor": "m2r2", "lookahead": 2, "m2r2_adapters": str(adapters)}
+    return {"adaptive": {"moe": moe}}
 
 
 def _generate(llm) -> list[list[int]]:
@@ -47,7 +53,12 @@ def moefied_dir(model_dir: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(moefied_dir: Path) -> dict:
+def m2r2_adapters(moefied_dir: Path, tmp_path_factory) -> Path:
+    return train_fixture_adapters(moefied_dir, tmp_path_factory.mktemp("m2r2"))
+
+
+@pytest.fixture(scope="module")
+def runs(moefied_dir: Path, m2r2_adapters: Path) -> dict:
     out: dict = {}
     llm = make_llm(moefied_dir, {})
     try:
@@ -56,24 +67,23 @@ def runs(moefied_dir: Path) -> dict:
         (out["parts"],) = llm.apply_model(describe_parts)
     finally:
         shutdown(llm)
-    llm = make_llm(moefied_dir, TIERED)
+    llm = make_llm(moefied_dir, _tiered(m2r2_adapters))
     try:
-        llm.apply_model(reset_moe_stats)  # leave out the profiling run
-        out["pregate"] = _generate(llm)
-        (out["pregate_stats"],) = llm.apply_model(moe_stats)
-        llm.apply_model(reset_moe_stats)
-        llm.apply_model(partial(set_moe_predictor, name="none"))
-        llm.reset_prefix_cache()
-        out["none"] = _generate(llm)
-        (out["none_stats"],) = llm.apply_model(moe_stats)
+        for name in PREDICTORS:
+            if name != "m2r2":  # the engine started with m2r2
+                llm.apply_model(partial(set_moe_predictor, name=name, lookahead=2))
+            llm.apply_model(reset_moe_stats)  # leave out the profiling run / the last predictor
+            llm.reset_prefix_cache()
+            out[name] = _generate(llm)
+            (out[f"{name}_stats"],) = llm.apply_model(moe_stats)
         out["prefix_hits"] = metric(llm, "vllm:prefix_cache_hits")
     finally:
         shutdown(llm)
-    for name in ("pregate", "none"):  # shown with -s (mechanics fixture: no claims)
+    for name in PREDICTORS:  # shown with -s (mechanics fixture: no claims)
         s = out[f"{name}_stats"]
         keys = ("slots", "hits", "misses", "loads", "evictions", "stall_seconds", "tokens")
         print(name, {k: s[k] for k in keys}, "prediction", s["prediction"])
-    print("slow tier cold read MB/s", out["pregate_stats"]["slow_tier_cold_read_bytes_per_s"] / 1e6)
+    print("slow tier cold read MB/s", out["none_stats"]["slow_tier_cold_read_bytes_per_s"] / 1e6)
     return out
 
 
@@ -96,14 +106,14 @@ def test_model_interface_names_the_experts(runs) -> None:
         assert not layer["llama_block"]
 
 
-@pytest.mark.parametrize("predictor", ["pregate", "none"])
+@pytest.mark.parametrize("predictor", PREDICTORS)
 def test_tiered_output_is_the_resident_output(runs, predictor) -> None:
     for i, (got, ref) in enumerate(zip(runs[predictor], runs["resident"], strict=True)):
         first = next((j for j, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
         assert first is None, f"{predictor}: sequence {i} diverges at token {first}"
 
 
-@pytest.mark.parametrize("predictor", ["pregate", "none"])
+@pytest.mark.parametrize("predictor", PREDICTORS)
 def test_tiers_evicted_and_never_computed_an_unready_expert(runs, predictor) -> None:
     s = runs[f"{predictor}_stats"]
     assert s["slots"] == int(0.25 * s["experts"])
@@ -111,7 +121,8 @@ def test_tiers_evicted_and_never_computed_an_unready_expert(runs, predictor) -> 
     assert s["evictions"] > 0 and s["loads"] > s["slots"]
     assert s["misses"] > 0 and s["stall_seconds"] > 0
     assert s["slow_tier_cold_read_bytes_per_s"] > 0
-    if predictor == "pregate":
+    if predictor != "none":
+        assert s["predictor"] == predictor and s["lookahead"] == 2
         assert s["prefetches"] > 0
         assert set(s["prediction"]) == {"1", "2"}
     else:

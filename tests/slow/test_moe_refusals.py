@@ -1,6 +1,7 @@
 """Engines refuse an ``adaptive.moe`` they cannot honour, at start, naming the key: expert
-tiers on a dense model, and a fast tier too small for one expert (on the mechanics fixture of
-``tests/support/moefied.py``). Each case starts (and fails) a real engine in a child process."""
+tiers on a dense model, a fast tier too small for one expert, an unknown predictor and m2r2
+adapters that are missing (on the mechanics fixture of ``tests/support/moefied.py``). Each case
+starts (and fails) a real engine in a child process."""
 
 from __future__ import annotations
 
@@ -44,7 +45,14 @@ def test_moe_on_a_dense_model_is_refused(model_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     ("moe", "message"),
-    [({"fast_tier_bytes": 4096}, "adaptive.moe.fast_tier_bytes: the fast tier holds no expert")],
+    [
+        ({"fast_tier_bytes": 4096}, "adaptive.moe.fast_tier_bytes: the fast tier holds no expert"),
+        ({"predictor": "oracle"}, "adaptive.moe.predictor: Input should be"),
+        (
+            {"predictor": "m2r2", "m2r2_adapters": "/nonexistent/adapters"},
+            "adaptive.moe.m2r2_adapters: /nonexistent/adapters: no M2R2 expert-prediction adapters",
+        ),
+    ],
 )
 def test_fast_tier_too_small_is_refused(model_dir: Path, tmp_path: Path, moe, message) -> None:
     moefied = build_mechanics_moefied(model_dir, tmp_path / "moefied")

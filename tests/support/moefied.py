@@ -53,3 +53,32 @@ def build_mechanics_moefied(
             shutil.copy(dense_dir / name, out_dir / name)
     (out_dir / "MECHANICS_FIXTURE.txt").write_text(LABEL + "\n")
     return out_dir
+
+
+def train_fixture_adapters(moefied_dir: Path, tmp: Path) -> Path:
+    """Stream adapters for the fixture (seconds of training: mechanics, not a predictor)."""
+    import torch
+
+    from vllm_adaptive.corpora import default_code_corpus
+    from vllm_adaptive.moe.m2r2 import train_stream_adapters
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    corpus = default_code_corpus(tmp / "code.txt", max_chars=200_000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train_stream_adapters(
+            moefied_dir,
+            [corpus],
+            tmp / "adapters",
+            distances=2,
+            rank=4,
+            steps=10,
+            batch=128,
+            windows_per_corpus=2,
+            window=64,
+            progress=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return tmp / "adapters"

@@ -20,6 +20,9 @@ def test_defaults_and_valid_sections() -> None:
     cfg = parse_adaptive_config({"moe": {"predictor": "pregate", "lookahead": 3, "capacity": 0.25}})
     assert cfg.active_moe is cfg.moe and cfg.any_mechanism_enabled
     assert parse_adaptive_config({"moe": {"capacity": 1}}).moe.capacity == 1.0
+    assert parse_adaptive_config({"moe": {"eviction": "cyclic"}}).moe.eviction == "cyclic"
+    m2r2 = parse_adaptive_config({"moe": {"predictor": "m2r2", "m2r2_adapters": "/a"}}).moe
+    assert (m2r2.predictor, m2r2.m2r2_adapters) == ("m2r2", "/a")
     assert parse_adaptive_config({"moe": {"fast_tier_bytes": 10**8}}).moe.fast_tier_bytes == 10**8
     off = parse_adaptive_config({"mode": "off", "moe": {}})
     assert off.active_moe is None and not off.any_mechanism_enabled
@@ -35,10 +38,13 @@ def test_defaults_and_valid_sections() -> None:
         ({"fast_tier_bytes": 0}, "adaptive.moe.fast_tier_bytes"),
         ({"fast_tier_bytes": 1.5}, "adaptive.moe.fast_tier_bytes"),
         ({"capacity": 0.5, "fast_tier_bytes": 10}, "not both"),
-        ({"predictor": "m2r2"}, "adaptive.moe.predictor"),
+        ({"predictor": "m2r2"}, 'predictor "m2r2" needs "m2r2_adapters"'),
+        ({"predictor": "oracle"}, "adaptive.moe.predictor"),
+        ({"predictor": "pregate", "m2r2_adapters": "/x"}, 'only for predictor "m2r2"'),
         ({"predictor": "pregate", "lookahead": 0}, "adaptive.moe.lookahead"),
         ({"lookahead": 2}, 'predictor "none" prefetches nothing'),
         ({"bogus": 1}, "adaptive.moe.bogus: unknown key"),
+        ({"eviction": "fifo"}, "adaptive.moe.eviction"),
     ],
 )
 def test_bad_sections_name_the_key(section, message) -> None:

@@ -66,7 +66,7 @@ def test_records_are_page_aligned_and_round_trip(slow) -> None:
             assert torch.equal(got["gate_up"], w[key]["gate_up"])
             assert torch.equal(got["down"], w[key]["down"])
     finally:
-        fast.executor.shutdown()
+        fast.loader.shutdown()
 
 
 def test_byte_bound(slow) -> None:
@@ -78,7 +78,7 @@ def test_byte_bound(slow) -> None:
         assert len(fast.where) <= 3
     assert fast.nbytes == 3 * LAYOUT.stride  # preallocated, never grows
     assert fast.stats.evictions == 3
-    fast.executor.shutdown()
+    fast.loader.shutdown()
     with pytest.raises(ValueError):
         FastTier(tier, 0)
 
@@ -93,7 +93,7 @@ def test_lru_order(slow) -> None:
     fast.drain()
     assert fast.resident((0, 0)) and fast.resident((0, 2)) and not fast.resident((0, 1))
     assert fast.stats.hits == 1 and fast.stats.misses == 3 and fast.stats.loads == 3
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_pins(slow) -> None:
@@ -121,7 +121,25 @@ def test_pins(slow) -> None:
     fast.unpin((0, 2))
     with pytest.raises(RuntimeError, match="not pinned"):
         fast.unpin((0, 2))
-    fast.executor.shutdown()
+    fast.loader.shutdown()
+
+
+def test_cyclic_eviction_evicts_the_layer_that_comes_back_last(slow) -> None:
+    """Layers run 0, 1, 0, 1, ...: at layer 1, layer 1's own experts come back last (after
+    layer 0), so "cyclic" evicts them first where LRU evicts layer 0's older ones."""
+    tier, _ = slow
+    for eviction, survivor, evicted in [("lru", (1, 0), (0, 0)), ("cyclic", (0, 0), (1, 0))]:
+        fast = FastTier(tier, 2, eviction=eviction)
+        fast.current_layer = 0
+        _ready(fast, (0, 0))
+        fast.current_layer = 1
+        _ready(fast, (1, 0))
+        _ready(fast, (1, 1))  # needs a slot: (0, 0) is older, (1, 0) comes back later
+        fast.drain()
+        assert fast.resident(survivor) and not fast.resident(evicted), eviction
+        fast.loader.shutdown()
+    with pytest.raises(ValueError, match="eviction"):
+        FastTier(tier, 2, eviction="fifo")
 
 
 def test_eviction_drops_pages(slow) -> None:
@@ -138,7 +156,7 @@ def test_eviction_drops_pages(slow) -> None:
         assert after == 0
         # a load reads its own record only: no read-around into the neighbours
         assert tier.resident_fraction((1, 2)) == 0 and tier.resident_fraction((0, 1)) == 0
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_loads_run_on_the_background_thread(slow) -> None:
@@ -146,7 +164,7 @@ def test_loads_run_on_the_background_thread(slow) -> None:
     fast = FastTier(tier, 2)
     _ready(fast, (0, 1))
     assert fast.loader_threads and threading.get_ident() not in fast.loader_threads
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_stall_and_ready_check(slow, monkeypatch) -> None:
@@ -172,7 +190,7 @@ def test_stall_and_ready_check(slow, monkeypatch) -> None:
     assert fast.stats.stall_seconds >= 0.04
     fast.views((0, 2))
     assert fast.stats.violations == 1
-    fast.executor.shutdown()
+    fast.loader.shutdown()
 
 
 def test_measure_bandwidth(slow) -> None:
@@ -210,17 +228,19 @@ def test_expert_split_matches_the_masked_dense_mlp() -> None:
     assert expert_forward(x[:1], gate_up[0], w_down[0]).shape == (1, H)
 
 
-@pytest.mark.parametrize("predictor", ["none", "pregate"])
+@pytest.mark.parametrize("eviction", ["lru", "cyclic"])
+@pytest.mark.parametrize("predictor", ["none", "pregate", "m2r2"])
 @pytest.mark.parametrize("slots", [1, 3, 8])
-def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots) -> None:
+def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots, eviction) -> None:
     layers, e, k = 4, 4, 2
     w = _weights(layers, e, seed=3)
     g = torch.Generator().manual_seed(4)
     routers = [torch.randn(e, H, generator=g) for _ in range(layers)]
     tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
-    fast = FastTier(tier, slots)
-    pred = make_predictor(predictor, 2 if predictor == "pregate" else 1)
-    pred.bind(routers, k)
+    fast = FastTier(tier, slots, eviction=eviction)
+    adapters = _adapters(layers, 2, k, e) if predictor == "m2r2" else None
+    pred = make_predictor(predictor, 1 if predictor == "none" else 2, adapters)
+    pred.bind(routers, k, norms=[torch.ones(H)] * layers)
     rt = MoeRuntime(fast, pred, layers, e, k)
     try:
         for step in range(3):
@@ -228,7 +248,7 @@ def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots
             x_ref = x.clone()
             for layer in range(layers):
                 mask = route(x, routers[layer], k)
-                got = rt.layer(layer, x, None, mask)
+                got = rt.layer(layer, x, x * 3, mask)
                 ref = moe_resident(
                     x_ref, mask, lambda i, la=layer: (w[la, i]["gate_up"], w[la, i]["down"])
                 )
@@ -240,8 +260,8 @@ def test_tiered_runtime_is_bitwise_the_resident_model(tmp_path, predictor, slots
         assert s["hits"] + s["misses"] > 0
         if slots < layers * e:
             assert s["evictions"] > 0
-        if predictor == "pregate":
-            assert s["prefetches"] + s["prefetch_skipped"] > 0
+        if predictor != "none":
+            assert s["prefetches"] + s["prefetch_skipped"] + s["prefetch_cancelled"] > 0
             assert set(s["prediction"]) == {"1", "2"}
             assert 0 < s["prediction"]["1"]["recall"] <= 1
         else:
@@ -274,6 +294,149 @@ def test_none_predicts_nothing_and_names_are_checked() -> None:
     p = make_predictor("none")
     assert isinstance(p, ExpertPredictor) and p.predict(0, torch.zeros(2, H), None) == {}
     with pytest.raises(ValueError, match="unknown predictor"):
+        make_predictor("oracle")
+    with pytest.raises(ValueError, match="needs trained adapters"):
         make_predictor("m2r2")
     with pytest.raises(ValueError):
         PregatePredictor(lookahead=0)
+
+
+# -- loader priority ---------------------------------------------------------------------------
+
+
+def test_loader_runs_demand_first_promotes_and_cancels(tmp_path, monkeypatch) -> None:
+    """With the loader held on a first load: prefetches queued before an on-demand load run
+    after it, a queued prefetch a layer then needs runs right after the on-demand loads, and
+    queued prefetches for layers already computed are cancelled (never read, slot EMPTY)."""
+    layers, e = 4, 4
+    w = _weights(layers, e)
+    tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
+    fast = FastTier(tier, 8)
+    gate = threading.Event()
+    read = tier.read_into
+    order = []
+
+    def gated_read(key, dst):
+        gate.wait(5)
+        order.append(key)
+        read(key, dst)
+
+    monkeypatch.setattr(tier, "read_into", gated_read)
+    try:
+        assert fast.demand((0, 0))  # the loader picks it up and waits on the gate
+        deadline = time.monotonic() + 5
+        while fast.queued_loads() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert fast.queued_loads() == 0  # (0, 0) is running, nothing queued
+        for key in [(3, 0), (2, 1), (2, 2), (1, 3)]:  # prefetches, issued latest layer first
+            assert fast.start_load(key, soft=True)
+        assert fast.demand((1, 0))  # on demand: ahead of every queued prefetch
+        assert fast.demand((2, 2))  # a queued prefetch now needed: promoted
+        assert fast.stats.prefetch_promoted == 1 and fast.stats.late == 1
+        # layer 1 has run: its unneeded queued prefetch (1, 3) is cancelled, (2, *) stay
+        assert fast.cancel_prefetches(1) == 1
+        assert not fast.resident((1, 3)) and fast.resident((2, 1))
+        assert fast.stats.prefetch_cancelled == 1
+        gate.set()
+        fast.drain()
+        # on-demand first, then the promoted prefetch, then prefetches by target layer
+        assert order == [(0, 0), (1, 0), (2, 2), (2, 1), (3, 0)]
+        assert list(fast.loader.order) == order
+        assert (1, 3) not in order
+        assert fast.stats.loads == 5 and fast.stats.prefetches == 3
+        assert fast.stats.bytes_read == 5 * LAYOUT.nbytes
+        for key in [(0, 0), (1, 0), (2, 2)]:
+            fast.acquire(key)
+            fast.views(key)
+            fast.unpin(key)
+        # a prefetch that already started is not cancelled; a pinned one neither
+        assert fast.start_load((3, 3), soft=True)
+        fast.drain()
+        assert fast.cancel_prefetches() == 0 and fast.resident((3, 3))
+        assert fast.stats.violations == 0
+    finally:
+        fast.close()
+
+
+def test_loader_cancel_of_a_running_job_is_refused() -> None:
+    from vllm_adaptive.moe.tiers import DEMAND, Loader, prefetch_priority
+
+    loader = Loader()
+    started, release, ran = threading.Event(), threading.Event(), []
+    first = loader.submit(DEMAND, lambda: (started.set(), release.wait(5)), tag="first")
+    assert started.wait(5)
+    later = loader.submit(prefetch_priority(5), lambda: ran.append("later"), tag="later")
+    assert not first.cancel()  # running
+    assert not loader.promote(first, DEMAND)
+    assert later.cancel()
+    release.set()
+    loader.shutdown()
+    assert first.done() and later.cancelled() and ran == []
+    assert loader.order == ["first"]
+
+
+def _adapters(layers: int, distances: int, top_k: int, e: int, seed: int = 7):
+    from vllm_adaptive.moe.m2r2 import StreamAdapterConfig, StreamAdapters
+
+    ad = StreamAdapters(StreamAdapterConfig(layers, H, distances, 3, top_k, e))
+    ad.init_identity(seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        ad.up.copy_(torch.randn(ad.up.shape, generator=g))
+    return ad.requires_grad_(False)
+
+
+def test_m2r2_predictor_routes_the_adapters_estimate() -> None:
+    """Layer j's norm and router on the adapters' estimate of layer j's residual, top-k union;
+    with zero up-projections the estimate is the residual itself."""
+    from vllm_adaptive.moe.m2r2 import rms_norm
+    from vllm_adaptive.moe.predictors import M2R2Predictor
+
+    layers, e, k = 4, 6, 2
+    g = torch.Generator().manual_seed(8)
+    routers = [torch.randn(e, H, generator=g) for _ in range(layers)]
+    norms = [torch.rand(H, generator=g) + 0.5 for _ in range(layers)]
+    ad = _adapters(layers, 2, k, e)
+    p = make_predictor("m2r2", 2, ad)
+    assert isinstance(p, M2R2Predictor)
+    p.bind(routers, k, norms=norms, eps=1e-5)
+    h = torch.randn(3, H, generator=g) * 40
+    out = p.predict(1, torch.zeros(3, H), h)
+    assert sorted(out) == [2, 3]
+    for j, experts in out.items():
+        est = ad.estimate(1, j - 1, h)
+        want = (rms_norm(est, norms[j], 1e-5) @ routers[j].T).topk(k, dim=-1).indices
+        assert experts == sorted(set(want.flatten().tolist()))
+    # scale-equivariant: the router reads a normalised input
+    assert p.predict(1, torch.zeros(3, H), h * 10) == out
+    # zero adapters: the residual itself goes through layer j's norm and router
+    with torch.no_grad():
+        ad.up.zero_()
+    for j, experts in p.predict(0, torch.zeros(3, H), h).items():
+        want = (rms_norm(h, norms[j], 1e-5) @ routers[j].T).topk(k, dim=-1).indices
+        assert experts == sorted(set(want.flatten().tolist()))
+    assert p.predict(0, torch.zeros(0, H), h[:0]) == {}
+    with pytest.raises(ValueError, match="lookahead 3"):
+        make_predictor("m2r2", 3, ad)
+
+
+def test_m2r2_adapter_files_are_checked(tmp_path) -> None:
+    from vllm_adaptive.moe.m2r2 import StreamAdapterError, StreamAdapters, load_for_engine
+
+    ad = _adapters(4, 2, 2, 6)
+    ad.save(tmp_path / "a", {"model_fingerprint": None})
+    back, _ = StreamAdapters.load(tmp_path / "a")
+    assert torch.equal(back.up, ad.up) and torch.equal(back.down, ad.down)
+    kw = {"model_dir": None, "num_layers": 4, "hidden_size": H, "num_experts": 6}
+    load_for_engine(tmp_path / "a", top_k=2, lookahead=2, **kw)
+    with pytest.raises(StreamAdapterError, match="no M2R2 expert-prediction adapters"):
+        load_for_engine(tmp_path / "missing", top_k=2, lookahead=1, **kw)
+    with pytest.raises(StreamAdapterError, match="top-k 2, the engine routes top-k 3"):
+        load_for_engine(tmp_path / "a", top_k=3, lookahead=1, **kw)
+    with pytest.raises(StreamAdapterError, match="up to 2 layers ahead, lookahead is 3"):
+        load_for_engine(tmp_path / "a", top_k=2, lookahead=3, **kw)
+    with pytest.raises(StreamAdapterError, match="num_layers=4, the model has 5"):
+        load_for_engine(tmp_path / "a", top_k=2, lookahead=1, **{**kw, "num_layers": 5})
+    (tmp_path / "a" / "moe_m2r2.safetensors").write_bytes(b"garbage")
+    with pytest.raises(StreamAdapterError, match="sha256"):
+        StreamAdapters.load(tmp_path / "a")

@@ -282,6 +282,9 @@ def test_collector_exports_moe_totals(tmp_path: Path) -> None:
         "moe_evictions": 4,
         "moe_stall_seconds": 0.25,
         "moe_bytes_read": 4096,
+        "moe_prefetches": 7,
+        "moe_prefetch_promoted": 2,
+        "moe_prefetch_cancelled": 3,
         "forward_seconds": 1.0,
     }
     write_engine_stats(moe, tmp_path)
@@ -293,5 +296,8 @@ def test_collector_exports_moe_totals(tmp_path: Path) -> None:
     assert got[("vllm_adaptive:moe_expert_misses_total", ())] == 10.0
     assert got[("vllm_adaptive:moe_stall_seconds_total", ())] == 0.25
     assert got[("vllm_adaptive:moe_read_bytes_total", ())] == 4096.0
+    assert got[("vllm_adaptive:moe_prefetches_total", ())] == 7.0
+    assert got[("vllm_adaptive:moe_prefetches_promoted_total", ())] == 2.0
+    assert got[("vllm_adaptive:moe_prefetches_cancelled_total", ())] == 3.0
     assert got[("vllm_adaptive:moe_expert_hit_rate", ())] == 0.75
     assert "# TYPE vllm_adaptive:moe_expert_hit_rate gauge" in generate_latest(registry).decode()

@@ -171,6 +171,7 @@ class MoefiedLlamaForCausalLM(HasAdaptiveParts, LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.num_experts, self.top_k, self.expert_size = shape
         self.adaptive_config = adaptive
+        self.model_dir = vllm_config.model_config.model
         self.moe_runtime: MoeRuntime | None = None
 
     def _init_model(
@@ -280,9 +281,12 @@ class MoefiedLlamaForCausalLM(HasAdaptiveParts, LlamaForCausalLM):
             100 * slots / total,
             moe.predictor,
         )
-        tier = FastTier(slow, slots)
-        predictor = make_predictor(moe.predictor, moe.lookahead)
-        predictor.bind([mlp.router_weight.data for mlp in mlps], self.top_k)
+        adapters = None
+        if moe.predictor == "m2r2":
+            adapters = self._load_m2r2(moe.m2r2_adapters, moe.lookahead)
+        tier = FastTier(slow, slots, eviction=moe.eviction)
+        predictor = make_predictor(moe.predictor, moe.lookahead, adapters)
+        self._bind(predictor)
         runtime = MoeRuntime(
             tier,
             predictor,
@@ -299,8 +303,35 @@ class MoefiedLlamaForCausalLM(HasAdaptiveParts, LlamaForCausalLM):
             mlp.w_gate_up.data = torch.empty(0, dtype=dtype)
             mlp.w_down.data = torch.empty(0, dtype=dtype)
             mlp.runtime = runtime
-        atexit.register(tier.close)
+        atexit.register(lambda: runtime.tier.close())  # the tier may be replaced (resize)
         return runtime
+
+    def _load_m2r2(self, directory: str, lookahead: int):
+        """The m2r2 predictor's adapters, refused at start (naming the key) when they do not fit."""
+        from vllm_adaptive.moe.m2r2 import StreamAdapterError, load_for_engine
+
+        mlps = self.moe_layers()
+        try:
+            return load_for_engine(
+                directory,
+                model_dir=self.model_dir,
+                num_layers=len(mlps),
+                hidden_size=mlps[0].router_weight.shape[1],
+                num_experts=self.num_experts,
+                top_k=self.top_k,
+                lookahead=lookahead,
+            )
+        except StreamAdapterError as e:
+            raise AdaptiveConfigError(f"adaptive.moe.m2r2_adapters: {e}") from None
+
+    def _bind(self, predictor) -> None:
+        layers = self.model.layers
+        predictor.bind(
+            [layer.mlp.router_weight.data for layer in layers],
+            self.top_k,
+            norms=[layer.post_attention_layernorm.weight.data for layer in layers],
+            eps=float(layers[0].post_attention_layernorm.variance_epsilon),
+        )
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -345,7 +376,9 @@ def reset_moe_stats(model) -> None:
         runtime.reset_stats()
 
 
-def set_moe_predictor(model, name: str, lookahead: int = 1) -> None:
+def set_moe_predictor(
+    model, name: str, lookahead: int = 1, m2r2_adapters: str | None = None
+) -> None:
     """Swap the predictor of a tiered engine (the bench compares predictors on one engine)."""
     from vllm_adaptive.moe.predictors import make_predictor
 
@@ -353,6 +386,38 @@ def set_moe_predictor(model, name: str, lookahead: int = 1) -> None:
     runtime = m.moe_runtime
     if runtime is None:
         raise ValueError("this engine keeps every expert resident (no adaptive.moe section)")
-    predictor = make_predictor(name, lookahead)
-    predictor.bind([mlp.router_weight.data for mlp in m.moe_layers()], m.top_k)
+    adapters = None
+    if name == "m2r2":
+        if m2r2_adapters is None:
+            raise ValueError('predictor "m2r2" needs m2r2_adapters')
+        adapters = m._load_m2r2(m2r2_adapters, lookahead)
+    predictor = make_predictor(name, lookahead, adapters)
+    m._bind(predictor)
     runtime.set_predictor(predictor)
+
+
+def measure_moe_slow_tier(model, records: int = 64) -> dict:
+    """Cold-read ``records`` expert records spread over the slow tier (each dropped from the page
+    cache first): its read bandwidth, measured with more records than the start-up probe."""
+    runtime = _moefied(model).moe_runtime
+    if runtime is None:
+        raise ValueError("this engine keeps every expert resident (no adaptive.moe section)")
+    total = runtime.num_layers * runtime.num_experts
+    step = max(1, total // records)
+    keys = [divmod(i, runtime.num_experts) for i in range(0, total, step)][:records]
+    return runtime.tier.slow.measure_bandwidth(keys)
+
+
+def set_moe_capacity(model, capacity: float, eviction: str | None = None) -> int:
+    """Give a tiered engine a new, empty fast tier of ``capacity`` x all experts (the bench
+    sweeps capacities on one engine: the slow tier stays). Returns the slot count."""
+    m = _moefied(model)
+    runtime = m.moe_runtime
+    if runtime is None:
+        raise ValueError("this engine keeps every expert resident (no adaptive.moe section)")
+    total = runtime.num_layers * runtime.num_experts
+    slots = min(total, int(capacity * total + 1e-9))
+    if slots < 1:
+        raise ValueError(f"capacity {capacity}: the fast tier holds no expert")
+    runtime.resize(slots, eviction)
+    return slots

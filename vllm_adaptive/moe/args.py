@@ -67,6 +67,54 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     quality.add_argument("--plot", default=None, help="PNG: perplexity and agreement vs k")
     quality.set_defaults(func=_run_quality)
 
+    m2r2 = sub.add_parser(
+        "train-m2r2",
+        help="train the m2r2 expert predictor's adapters (layer l's residual -> layer l+d's) on "
+        "the MoEfied model's own residual stream at a top-k (no vLLM)",
+    )
+    m2r2.add_argument("--model", nargs=1, default=["smollm2-135m-moefied"])
+    m2r2.add_argument("--corpus", nargs="+", required=True, help="text files (calibration part)")
+    m2r2.add_argument("--out", required=True, help="output directory")
+    m2r2.add_argument(
+        "--top-k", type=int, default=None, help="routing k of the stream (default: config's)"
+    )
+    m2r2.add_argument("--distances", type=int, default=2, help="lookahead distances 1..D")
+    m2r2.add_argument("--rank", type=int, default=16)
+    m2r2.add_argument("--steps", type=int, default=150)
+    m2r2.add_argument("--batch", type=int, default=256, help="tokens per step")
+    m2r2.add_argument("--lr", type=float, default=1e-2)
+    m2r2.add_argument("--windows", type=int, default=12, help="windows of 256 tokens per corpus")
+    m2r2.add_argument("--seed", type=int, default=0)
+    m2r2.set_defaults(func=_run_train_m2r2)
+
+    bench = sub.add_parser(
+        "bench",
+        help="expert offloading in a real vLLM engine: tokens/s, stall, hit rate, prediction "
+        "recall/precision per fast-tier capacity, predictor and batch, against all-resident",
+    )
+    bench.add_argument("--model", nargs=1, default=["smollm2-135m-moefied"])
+    bench.add_argument(
+        "--top-k", type=int, default=8, help="routing k (hf_overrides num_experts_per_tok)"
+    )
+    bench.add_argument("--corpus", nargs="+", required=True, help="prompts from their last 10%%")
+    bench.add_argument("--capacities", default="0.25,0.5,1.0")
+    bench.add_argument("--batches", default="1,8")
+    bench.add_argument(
+        "--predictors",
+        default="none,pregate:1,pregate:2,m2r2:1,m2r2:2",
+        help="comma-separated NAME[:LOOKAHEAD]",
+    )
+    bench.add_argument("--m2r2-adapters", default=None, help="dir from `moe train-m2r2`")
+    bench.add_argument("--prompts-b1", type=int, default=2, help="prompts run one by one at b1")
+    bench.add_argument("--prompt-tokens", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=24)
+    bench.add_argument("--slow-tier-dir", default=None, help="default: a temporary directory")
+    bench.add_argument("--kv-cache-gib", type=int, default=1)
+    bench.add_argument("--eviction", choices=("lru", "cyclic"), default="lru")
+    bench.add_argument("--out", required=True, help="JSON file")
+    bench.add_argument("--plot", default=None, help="PNG file")
+    bench.set_defaults(func=_run_bench)
+
 
 def _resolve(name_or_dir: str) -> Path:
     """A checkpoint directory (``vllm_adaptive.cli`` turns model names into prepared
@@ -101,6 +149,60 @@ def _run_build(args: argparse.Namespace) -> int:
     summary = write_moefied(_resolve(args.base), out, list(args.corpus), opts)
     print(json.dumps({k: v for k, v in summary.items() if k != "layers"}, indent=2))
     print(out)
+    return 0
+
+
+def _run_train_m2r2(args: argparse.Namespace) -> int:
+    import torch
+
+    from vllm_adaptive.moe.m2r2 import train_stream_adapters
+
+    torch.set_num_threads(1)
+    doc = train_stream_adapters(
+        _resolve(args.model[0]),
+        list(args.corpus),
+        args.out,
+        top_k=args.top_k,
+        distances=args.distances,
+        rank=args.rank,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        windows_per_corpus=args.windows,
+        seed=args.seed,
+    )
+    print(json.dumps({k: doc[k] for k in ("held_out_topk_recall", "seconds", "train_tokens")}))
+    print(args.out)
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from vllm_adaptive.moe.bench import plot_bench, run_bench, table
+
+    predictors = [p for p in args.predictors.split(",") if p]
+    if any(p.startswith("m2r2") for p in predictors) and not args.m2r2_adapters:
+        raise SystemExit("--predictors has m2r2: give --m2r2-adapters DIR (`moe train-m2r2`)")
+    result = run_bench(
+        str(_resolve(args.model[0])),
+        list(args.corpus),
+        top_k=args.top_k,
+        capacities=[float(c) for c in args.capacities.split(",")],
+        batches=[int(b) for b in args.batches.split(",")],
+        predictors=predictors,
+        m2r2_adapters=args.m2r2_adapters,
+        prompts_per_batch1=args.prompts_b1,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        slow_tier_dir=args.slow_tier_dir,
+        kv_cache_gib=args.kv_cache_gib,
+        eviction=args.eviction,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot_bench(result, args.plot)
+    sys.stdout.write(table(result))
     return 0
 
 

@@ -10,9 +10,10 @@ this layer and the next layers' attention compute.
 - ``pregate`` (Pre-gated MoE, Hwang et al. 2024): layer j's router applied ahead of time to
   layer l's MLP input, j = l+1..l+d; the union over the batch's tokens of each token's top-k.
   It needs no training: the routers of the MoEfied model are small and stay resident.
-- M2R2's accelerated residual stream (next): trained adapters map layer l's residual stream to
-  an estimate of layer j's, whose router then names the experts; it gets the ``residual``
-  argument for that.
+- ``m2r2`` (M2R2's accelerated residual, appendix A.3): trained adapters
+  (:mod:`vllm_adaptive.moe.m2r2`) map layer l's residual stream to an estimate of layer j's,
+  whose ``post_attention_layernorm`` and router then name layer j's experts (top-k union over
+  the batch). It reads the ``residual`` argument.
 """
 
 from __future__ import annotations
@@ -34,9 +35,17 @@ class ExpertPredictor:
         self.routers: Sequence[torch.Tensor] = ()
         self.top_k = 0
 
-    def bind(self, routers: Sequence[torch.Tensor], top_k: int) -> None:
-        """The model's routers (layer -> weight [E, hidden]) and its top-k."""
+    def bind(
+        self,
+        routers: Sequence[torch.Tensor],
+        top_k: int,
+        norms: Sequence[torch.Tensor] | None = None,
+        eps: float = 1e-5,
+    ) -> None:
+        """The model's routers (layer -> weight [E, hidden]), its top-k and, for predictors that
+        read the residual stream, every layer's ``post_attention_layernorm`` weight and eps."""
         self.routers, self.top_k = routers, top_k
+        self.norms, self.eps = norms, eps
 
     @property
     def num_layers(self) -> int:
@@ -71,15 +80,60 @@ class PregatePredictor(ExpertPredictor):
         return out
 
 
+class M2R2Predictor(ExpertPredictor):
+    """Layer j's router on the adapters' estimate of layer j's residual (module docstring)."""
+
+    name = "m2r2"
+
+    def __init__(self, lookahead: int = 1, adapters=None) -> None:
+        super().__init__(lookahead)
+        if adapters is None:
+            raise ValueError('predictor "m2r2" needs trained adapters (adaptive.moe.m2r2_adapters)')
+        if lookahead > adapters.config.distances:
+            raise ValueError(
+                f"lookahead {lookahead} > the adapters' {adapters.config.distances} distances"
+            )
+        self.adapters = adapters
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if j not in self._cache:  # float32 copies, made once
+            if self.norms is None:
+                raise RuntimeError("m2r2: bind() without the layers' norms")
+            self._cache[j] = (self.norms[j].float(), self.routers[j].float())
+        return self._cache[j]
+
+    def predict(
+        self, layer: int, mlp_input: torch.Tensor, residual: torch.Tensor | None
+    ) -> dict[int, list[int]]:
+        from vllm_adaptive.moe.m2r2 import rms_norm
+
+        out: dict[int, list[int]] = {}
+        if residual is None or residual.shape[0] == 0:
+            return out
+        h = residual.float()
+        with torch.no_grad():
+            for j in self.targets(layer):
+                est = self.adapters.estimate(layer, j - layer, h)
+                norm, router = self._layer(j)
+                logits = rms_norm(est, norm, self.eps) @ router.t()
+                out[j] = torch.unique(logits.topk(self.top_k, dim=-1).indices).tolist()
+        return out
+
+
 PREDICTORS: dict[str, type[ExpertPredictor]] = {
     ExpertPredictor.name: ExpertPredictor,
     PregatePredictor.name: PregatePredictor,
+    M2R2Predictor.name: M2R2Predictor,
 }
 
 
-def make_predictor(name: str, lookahead: int = 1) -> ExpertPredictor:
+def make_predictor(name: str, lookahead: int = 1, adapters=None) -> ExpertPredictor:
+    """``adapters``: the :class:`~vllm_adaptive.moe.m2r2.StreamAdapters` of ``m2r2``."""
     try:
         cls = PREDICTORS[name]
     except KeyError:
         raise ValueError(f"unknown predictor {name!r}; known: {sorted(PREDICTORS)}") from None
+    if cls is M2R2Predictor:
+        return cls(lookahead, adapters)
     return cls(lookahead)

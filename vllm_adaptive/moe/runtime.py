@@ -139,6 +139,7 @@ class MoeRuntime:
         self, layer: int, x: torch.Tensor, residual: torch.Tensor | None, mask: torch.Tensor
     ) -> torch.Tensor:
         tier = self.tier
+        tier.current_layer = layer
         needed = mask.any(0).nonzero().flatten().tolist()
         if layer == 0:
             self.tokens += x.shape[0]
@@ -146,6 +147,7 @@ class MoeRuntime:
         for e in needed:
             if not tier.demand((layer, e)):
                 deferred.append(e)
+        tier.cancel_prefetches(layer)  # queued for this layer or earlier and not needed: too late
         self._score(layer, set(needed))
         if self.predictor.name != "none":
             for j, experts in sorted(self.predictor.predict(layer, x, residual).items()):
@@ -171,6 +173,19 @@ class MoeRuntime:
         for distance, predicted in self._pending.pop(layer, {}).items():
             self.predictions.add(distance, predicted, needed)
 
+    def resize(self, slots: int, eviction: str | None = None) -> None:
+        """Replace the fast tier by an empty one of ``slots`` over the same slow tier (between
+        steps): every resident expert's pages are dropped, so the next loads are cold."""
+        from vllm_adaptive.moe.tiers import FastTier
+
+        old = self.tier
+        old.drain()
+        old.loader.shutdown()
+        for key in list(old.where):
+            old.slow.drop(key)
+        self.tier = FastTier(old.slow, slots, eviction=eviction or old.eviction)
+        self._pending.clear()
+
     def set_predictor(self, predictor: ExpertPredictor) -> None:
         """Swap the predictor between steps; pending predictions and soft pins are dropped."""
         self.predictor = predictor
@@ -183,6 +198,7 @@ class MoeRuntime:
         self.steps += 1
         self.forward_seconds += seconds
         self._pending.clear()  # predictions past the last layer never get scored
+        self.tier.cancel_prefetches()  # every layer has run: queued prefetches are useless
         now = time.monotonic()
         if now - self._last_export >= 1.0:
             self._last_export = now
@@ -202,6 +218,8 @@ class MoeRuntime:
         demanded = s["hits"] + s["misses"]
         return {
             **self.info,
+            "eviction": self.tier.eviction,
+            "loader_cpus": sorted(self.tier.loader.cpus) if self.tier.loader.cpus else None,
             "predictor": self.predictor.name,
             "lookahead": self.predictor.lookahead,
             "slots": self.tier.num_slots,
@@ -225,6 +243,9 @@ class MoeRuntime:
             "moe_misses": s.misses,
             "moe_loads": s.loads,
             "moe_evictions": s.evictions,
+            "moe_prefetches": s.prefetches,
+            "moe_prefetch_promoted": s.prefetch_promoted,
+            "moe_prefetch_cancelled": s.prefetch_cancelled,
             "moe_stall_seconds": s.stall_seconds,
             "moe_bytes_read": s.bytes_read,
             "moe_violations": s.violations,

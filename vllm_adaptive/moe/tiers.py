@@ -14,8 +14,13 @@ disk. :meth:`SlowTier.measure_bandwidth` times cold reads of a few records after
 bounded in bytes by the caller), an LRU over them plus two kinds of pins: hard pins (an expert
 the current layer is about to compute; never evicted) and soft pins (an expert a predictor
 prefetched for a later layer; evicted only by an on-demand load that finds nothing else). Loads
-run on one background thread (``ThreadPoolExecutor(1)``): the job drops the evicted record's
-pages, then copies the new record from the mapping into the slot. The state machine (EMPTY,
+run on one background thread (:class:`Loader`) in priority order, not FIFO: on-demand loads
+first, then prefetches by target layer (earliest first); a queued prefetch the compute turns
+out to need is promoted to on-demand (:meth:`FastTier.demand`), and queued prefetches for
+layers already computed are cancelled (:meth:`FastTier.cancel_prefetches`). Why: with a FIFO
+the on-demand loads of layer l waited behind prefetches for later layers, and pre-gating
+stalled more than no prediction at all (docs/moe-runtime.md). The job drops the evicted
+record's pages, then copies the new record from the mapping into the slot. The state machine (EMPTY,
 LOADING, READY) is only changed by the caller's thread; the loader thread only copies.
 :meth:`FastTier.acquire` returns an expert ready for compute, waiting on its load only when it
 is not ready yet: that wait is the stall time. :meth:`FastTier.views` is the only way to read a
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import heapq
+import itertools
 import logging
 import math
 import mmap
@@ -36,7 +43,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -223,7 +230,110 @@ class SlowTier:
         self.fd = -1
 
 
+def _off_compute_cpus() -> set[int] | None:
+    """Move the calling (loader) thread off the compute thread's CPUs, where there are others.
+    Why: vLLM's CPU worker binds its compute thread to its cores and threads it starts inherit
+    that mask, so the loads would time-share the compute core instead of overlapping with it.
+    Returns the loader's CPUs (None: unchanged)."""
+    try:
+        mine = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - mine
+        if not others:
+            return None
+        os.sched_setaffinity(0, others)  # 0: this thread
+        return others
+    except (AttributeError, OSError):
+        return None
+
+
+# Load priorities (smaller first): on-demand loads, then prefetches by the layer they are for.
+DEMAND = (0, 0)
+
+
+def prefetch_priority(layer: int) -> tuple[int, int]:
+    return (1, layer)
+
+
+class Loader:
+    """One background thread running load jobs in priority order (see the module docstring).
+
+    :meth:`submit` returns the job's :class:`~concurrent.futures.Future`; :meth:`promote`
+    raises the priority of a job still queued; cancelling a queued job is the future's own
+    ``cancel()`` (the thread skips it). Jobs with equal priority run in submission order."""
+
+    def __init__(self, name: str = "moe-loader") -> None:
+        self._heap: list[tuple[tuple[int, int], int, Future]] = []
+        self._jobs: dict[Future, tuple[tuple[int, int], Callable[[], None]]] = {}
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.cpus: set[int] | None = None  # set by the thread: its CPUs when it moved off
+        self.order: list[object] = []  # tags of the jobs run, in order (bounded; for tests)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: tuple[int, int], fn: Callable[[], None], tag=None) -> Future:
+        future: Future = Future()
+        future.tag = tag  # type: ignore[attr-defined]
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the loader is closed")
+            self._jobs[future] = (priority, fn)
+            heapq.heappush(self._heap, (priority, next(self._seq), future))
+            self._cv.notify()
+        return future
+
+    def promote(self, future: Future, priority: tuple[int, int]) -> bool:
+        """Give a queued job a higher priority; False when it started or finished already."""
+        with self._cv:
+            job = self._jobs.get(future)
+            if job is None or future.done() or future.running():
+                return False
+            if priority < job[0]:
+                self._jobs[future] = (priority, job[1])
+                # the old entry stays in the heap and is skipped when popped (priority changed)
+                heapq.heappush(self._heap, (priority, next(self._seq), future))
+            return True
+
+    def queued(self) -> int:
+        with self._cv:
+            return sum(not f.cancelled() for f in self._jobs)
+
+    def _run(self) -> None:
+        self.cpus = _off_compute_cpus()
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                priority, _, future = heapq.heappop(self._heap)
+                job = self._jobs.get(future)
+                if job is None or job[0] != priority:
+                    continue  # the stale entry of a promoted job
+                del self._jobs[future]
+                fn = job[1]
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                fn()
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+            self.order.append(getattr(future, "tag", None))
+            del self.order[:-256]
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+
 EMPTY, LOADING, READY = "empty", "loading", "ready"
+EVICTIONS = ("lru", "cyclic")
 
 
 @dataclass
@@ -232,6 +342,7 @@ class Slot:
     key: Key | None = None
     state: str = EMPTY
     future: Future | None = None
+    evicted: Key | None = None  # the record this slot's queued load replaces (dropped by it)
     pins: int = 0  # hard pins: about to be computed; never evicted
     soft: bool = False  # prefetched for a later layer; evicted only as a last resort
     last_use: int = 0
@@ -245,8 +356,11 @@ class TierStats:
     loads: int = 0
     prefetches: int = 0  # loads started by a predictor
     prefetch_skipped: int = 0  # prefetches that found no evictable slot
+    prefetch_promoted: int = 0  # queued prefetches a layer needed: moved to on-demand priority
+    prefetch_cancelled: int = 0  # queued prefetches for layers already computed: never read
     evictions: int = 0
     stall_seconds: float = 0.0
+    load_seconds: float = 0.0  # the loader thread's time in loads (written by it alone)
     bytes_read: int = 0
     violations: int = 0  # compute on a slot that was not READY with the asked key
 
@@ -261,17 +375,26 @@ class FastTier:
     slow: SlowTier
     num_slots: int
     stats: TierStats = field(default_factory=TierStats)
+    #: "lru": evict the least recently used expert; "cyclic": the expert whose layer comes
+    #: back last in the layer cycle (the layer that just ran first; LRU order within a layer).
+    #: Layers run in a fixed cycle, so LRU evicts what is needed soonest once the experts a step
+    #: needs outgrow the tier; "cyclic" is Belady's choice for that cycle.
+    eviction: str = "lru"
+    current_layer: int = 0  # set by the caller before each layer
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"the fast tier needs at least one slot, got {self.num_slots}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         layout = self.slow.layout
         self.buffer = torch.zeros((self.num_slots, layout.stride), dtype=torch.uint8)
         self._np = self.buffer.numpy()
         self.slots = [Slot(i) for i in range(self.num_slots)]
         self.where: dict[Key, int] = {}
         self._clock = 0
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="moe-loader")
+        self.loader = Loader()
+        self._prefetching: set[int] = set()  # slots whose load was started as a prefetch
         self.loader_threads: set[int] = set()
         self._views = []
         shapes = dict(layout.parts)
@@ -288,20 +411,34 @@ class FastTier:
     # -- loader thread ------------------------------------------------------------------------
 
     def _job(self, index: int, key: Key, evicted: Key | None) -> None:
+        t0 = time.perf_counter()
         self.loader_threads.add(threading.get_ident())
         if evicted is not None:
             self.slow.drop(evicted)
         self.slow.read_into(key, self._np[index])
+        self.stats.load_seconds += time.perf_counter() - t0
+
+    def queued_loads(self) -> int:
+        """Loads submitted and not started yet (the loader's backlog)."""
+        return self.loader.queued()
 
     # -- state (caller's thread only) ---------------------------------------------------------
 
     def _poll(self, slot: Slot) -> None:
         if slot.state == LOADING and slot.future is not None and slot.future.done():
             slot.future.result()  # re-raise a failed load here
-            slot.state, slot.future = READY, None
+            slot.state, slot.future, slot.evicted = READY, None, None
+
+    def _rank(self, slot: Slot) -> tuple:
+        """Eviction order: the smallest goes first (soft pins last)."""
+        if self.eviction == "cyclic" and slot.key is not None:
+            layers = self.slow.num_layers
+            comes_back_in = (slot.key[0] - self.current_layer - 1) % layers
+            return (slot.soft, -comes_back_in, slot.last_use)
+        return (slot.soft, 0, slot.last_use)
 
     def _victim(self, allow_soft: bool) -> Slot | None:
-        best = None
+        best, best_rank = None, None
         for slot in self.slots:
             self._poll(slot)
             if slot.state == LOADING or slot.pins:
@@ -310,8 +447,9 @@ class FastTier:
                 return slot
             if slot.soft and not allow_soft:
                 continue
-            if best is None or (slot.soft, slot.last_use) < (best.soft, best.last_use):
-                best = slot
+            rank = self._rank(slot)
+            if best is None or rank < best_rank:
+                best, best_rank = slot, rank
         return best
 
     def state(self, key: Key) -> str:
@@ -341,14 +479,19 @@ class FastTier:
                 del self.where[evicted]
                 self.stats.evictions += 1
             slot.key, slot.state, slot.soft, slot.pins = key, LOADING, False, 0
+            slot.evicted = evicted
             self._clock += 1
             slot.last_use = self._clock
-            slot.future = self.executor.submit(self._job, slot.index, key, evicted)
+            priority = prefetch_priority(key[0]) if soft else DEMAND
+            slot.future = self.loader.submit(
+                priority, lambda i=slot.index, k=key, ev=evicted: self._job(i, k, ev), tag=key
+            )
             self.where[key] = slot.index
             self.stats.loads += 1
             self.stats.bytes_read += self.slow.layout.nbytes
             if soft:
                 self.stats.prefetches += 1
+                self._prefetching.add(slot.index)
         else:
             slot = self.slots[i]
         if pin:
@@ -371,6 +514,39 @@ class FastTier:
             raise RuntimeError(f"unpin of {key}, which is not pinned")
         slot.pins -= 1
 
+    def cancel_prefetches(self, upto_layer: int | None = None) -> int:
+        """Cancel the queued (not started) prefetches for layers <= ``upto_layer`` (every layer
+        with None) that no layer pinned: they come too late to help. Their slots become EMPTY
+        (the record they were to replace is dropped here instead). Returns how many."""
+        n = 0
+        for index in sorted(self._prefetching):
+            slot = self.slots[index]
+            self._poll(slot)
+            if slot.state != LOADING:
+                self._prefetching.discard(index)
+            if (
+                slot.state != LOADING
+                or not slot.soft
+                or slot.pins
+                or slot.key is None
+                or (upto_layer is not None and slot.key[0] > upto_layer)
+                or slot.future is None
+                or not slot.future.cancel()
+            ):
+                continue
+            if slot.evicted is not None:
+                self.slow.drop(slot.evicted)
+            del self.where[slot.key]
+            slot.key, slot.state, slot.future, slot.evicted = None, EMPTY, None, None
+            slot.soft = False
+            self.stats.loads -= 1  # it never read anything
+            self.stats.prefetches -= 1
+            self.stats.bytes_read -= self.slow.layout.nbytes
+            self.stats.prefetch_cancelled += 1
+            self._prefetching.discard(index)
+            n += 1
+        return n
+
     def release_soft(self, layer: int | None = None) -> None:
         """Clear the soft pins of ``layer``'s experts (every layer's with None)."""
         for slot in self.slots:
@@ -390,6 +566,8 @@ class FastTier:
             else:
                 self.stats.misses += 1
                 self.stats.late += 1
+                if slot.future is not None and self.loader.promote(slot.future, DEMAND):
+                    self.stats.prefetch_promoted += 1
             slot.pins += 1
             return True
         self.stats.misses += 1
@@ -447,5 +625,5 @@ class FastTier:
             self._poll(slot)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        self.loader.shutdown()
         self.slow.close()

@@ -1,0 +1,374 @@
+"""`vllm-adaptive moe bench`: expert offloading in a real vLLM engine (issue 19's bench).
+
+Not a timed test: a measurement to read. One engine at a time, in this process: first the
+all-resident model (no ``adaptive.moe``: the reference for speed and for the tokens), then one
+tiered engine whose fast tier (``set_moe_capacity``) and predictor (``set_moe_predictor``) are
+switched between runs, so every configuration shares the slow-tier file and the process. For
+each corpus, capacity (fraction of all experts' bytes), predictor (and lookahead) and batch
+size it records tokens/s, stall seconds per generated token, fast-tier hit rate, prediction
+recall and precision per lookahead distance, the loader's busy time and achieved read
+bandwidth, and whether the greedy tokens equal the resident engine's; plus the slow tier's cold
+read bandwidth measured at engine start, and the machine (CPU model, ISA flags).
+
+Workload: prompts are token windows from the held-out last 10% of each corpus, greedy,
+``ignore_eos``; batch 1 runs its prompts one after another, batch b runs b prompts at once.
+Each engine first runs the whole workload once untimed (CPU kernels are set up per shape: the
+first runs of an engine are slower); before each capacity's first measurement one warm-up
+generation fills the fast tier (steady state, not cold start); the counters are reset before
+every measurement. The slow tier's cold read bandwidth is measured on 64 records spread over
+the file (dropped from the page cache first).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+#: ``name`` or ``name:lookahead``
+DEFAULT_PREDICTORS = ("none", "pregate:1", "pregate:2", "m2r2:1", "m2r2:2")
+
+
+def _log(msg: str) -> None:
+    print(f"[moe bench] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+def parse_predictor(spec: str) -> tuple[str, int]:
+    name, _, d = spec.partition(":")
+    return name, int(d) if d else 1
+
+
+def corpus_prompts(tok, path: str, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the held-out last 10% of a corpus file."""
+    from vllm_adaptive.corpora import read_corpus, token_windows
+
+    cf = read_corpus(path)
+    ids = tok(cf.eval_text, add_special_tokens=False)["input_ids"]
+    return token_windows(ids, length, count)
+
+
+def _run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, Any]:
+    """Generate greedily, ``batch`` prompts at a time; wall time and the tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = [TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + batch]]
+        outs = llm.generate(chunk, params, use_tqdm=False)
+        tokens.extend(list(o.outputs[0].token_ids) for o in outs)
+    seconds = time.perf_counter() - t0
+    generated = sum(len(t) for t in tokens)
+    from vllm_adaptive.bench.machine import load_average
+
+    return {
+        "load_average_1min": (load_average() or (None,))[0],  # other jobs on the machine
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / seconds,
+        "tokens": tokens,
+    }
+
+
+def _warm_up(llm, workloads: dict, batches: list[int], max_tokens: int) -> None:
+    """The whole workload once, untimed."""
+    for w in workloads.values():
+        for b in batches:
+            _run(llm, w[b], b, max_tokens)
+
+
+def _engine(model: str, top_k: int, moe: dict | None, kv_cache_gib: int):
+    import os
+
+    from vllm import LLM
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # the CPU backend's KV cache size
+    # apply_model sends the bench's functions (moe_stats, set_moe_*) to the engine's worker
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    args: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": 1024,
+        "enable_prefix_caching": False,  # every run prefills its prompts
+        "hf_overrides": {"num_experts_per_tok": top_k},
+    }
+    adaptive = {"adaptive": {"moe": moe}} if moe is not None else {}
+    return LLM(model=model, additional_config=adaptive, **args)
+
+
+def _summary(stats: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    gen = run["generated_tokens"]
+    keep = (
+        "loader_cpus",
+        "slots",
+        "hits",
+        "misses",
+        "late",
+        "loads",
+        "prefetches",
+        "prefetch_skipped",
+        "prefetch_promoted",
+        "prefetch_cancelled",
+        "evictions",
+        "stall_seconds",
+        "load_seconds",
+        "bytes_read",
+        "violations",
+        "tokens",
+        "steps",
+        "forward_seconds",
+        "hit_rate",
+    )
+    out = {k: stats.get(k) for k in keep}
+    out["stall_seconds_per_generated_token"] = stats["stall_seconds"] / gen if gen else None
+    out["loader_busy_fraction"] = stats["load_seconds"] / run["seconds"] if run["seconds"] else None
+    out["loader_read_bytes_per_s"] = (
+        stats["bytes_read"] / stats["load_seconds"] if stats.get("load_seconds") else None
+    )
+    out["prediction"] = stats["prediction"]
+    return out
+
+
+def run_bench(
+    model: str,
+    corpora: list[str],
+    *,
+    top_k: int,
+    capacities: list[float],
+    batches: list[int],
+    predictors: list[str],
+    m2r2_adapters: str | None,
+    prompts_per_batch1: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    slow_tier_dir: str | None,
+    kv_cache_gib: int = 1,
+    eviction: str = "lru",
+) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from vllm_adaptive.bench.machine import env_info
+    from vllm_adaptive.corpora import read_corpus
+    from vllm_adaptive.models.moefied_llama import (
+        measure_moe_slow_tier,
+        moe_stats,
+        reset_moe_stats,
+        set_moe_capacity,
+        set_moe_predictor,
+    )
+
+    t_start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model)
+    n_prompts = {b: (prompts_per_batch1 if b == 1 else b) for b in batches}
+    workloads = {}
+    for path in corpora:
+        name = Path(path).stem
+        pool = corpus_prompts(tok, path, max(n_prompts.values()) + 1, prompt_tokens)
+        # batch 1 and batch b use different prompts; one more for the warm-up
+        workloads[name] = {b: pool[: n_prompts[b]] for b in batches} | {"warmup": pool[-1:]}
+    result: dict[str, Any] = {
+        "what": "vllm-adaptive moe bench (issue 19): expert offloading in a real vLLM engine",
+        "model": model,
+        "model_label": "smollm2-135m-moefied: upcycled from dense SmolLM2-135M by this project, "
+        f"no expert training; run at top-k {top_k} (docs/moe.md gives its quality cost)",
+        "top_k": top_k,
+        "eviction": eviction,
+        "workload": {
+            "corpora": corpora,
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "prompts": {str(b): n_prompts[b] for b in batches},
+            "greedy": True,
+            "prefix_caching": False,
+        },
+        "env": env_info([read_corpus(p) for p in corpora]),
+        "resident": {},
+        "tiered": [],
+    }
+
+    _log(f"resident engine (top-k {top_k})")
+    llm = _engine(model, top_k, None, kv_cache_gib)
+    try:
+        _warm_up(llm, workloads, batches, max_tokens)
+        for corpus, w in workloads.items():
+            for b in batches:
+                r = _run(llm, w[b], b, max_tokens)
+                result["resident"][f"{corpus}/b{b}"] = r
+                _log(f"resident {corpus} b{b}: {r['tokens_per_s']:.2f} tok/s")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+    moe = {"capacity": 1.0, "predictor": "none"}
+    if slow_tier_dir:
+        moe["slow_tier_dir"] = slow_tier_dir
+    _log("tiered engine")
+    llm = _engine(model, top_k, moe, kv_cache_gib)
+    try:
+        (s0,) = llm.apply_model(moe_stats)
+        (bw,) = llm.apply_model(partial(measure_moe_slow_tier, records=64))
+        result["slow_tier"] = {
+            "cold_read_bytes_per_s": bw["bytes_per_s"],
+            "cold_read": bw,
+            "startup_probe_bytes_per_s": s0["slow_tier_cold_read_bytes_per_s"],
+            "record_bytes": s0["record_bytes"],
+            "experts": s0["experts"],
+            "note": "64 records spread over the file, each dropped from the page cache, then "
+            "read one after another; the start-up probe reads 8",
+        }
+        _log(f"slow tier cold read: {bw['bytes_per_s'] / 1e6:.0f} MB/s ({bw['records']} records)")
+        _warm_up(llm, workloads, batches, max_tokens)
+        total_runs = len(capacities) * len(predictors) * len(batches) * len(workloads)
+        done = 0
+        for capacity in capacities:
+            (slots,) = llm.apply_model(
+                partial(set_moe_capacity, capacity=capacity, eviction=eviction)
+            )
+            warm = True
+            for spec in predictors:
+                name, lookahead = parse_predictor(spec)
+                llm.apply_model(
+                    partial(
+                        set_moe_predictor,
+                        name=name,
+                        lookahead=lookahead,
+                        m2r2_adapters=m2r2_adapters if name == "m2r2" else None,
+                    )
+                )
+                if warm:  # fill the fast tier once per capacity
+                    _run(llm, workloads[next(iter(workloads))]["warmup"], 1, max_tokens)
+                    warm = False
+                for corpus, w in workloads.items():
+                    for b in batches:
+                        llm.apply_model(reset_moe_stats)
+                        r = _run(llm, w[b], b, max_tokens)
+                        (stats,) = llm.apply_model(moe_stats)
+                        ref = result["resident"][f"{corpus}/b{b}"]
+                        row = {
+                            "corpus": corpus,
+                            "capacity": capacity,
+                            "slots": slots,
+                            "eviction": eviction,
+                            "predictor": name,
+                            "lookahead": lookahead if name != "none" else 0,
+                            "batch": b,
+                            "tokens_per_s": r["tokens_per_s"],
+                            "speed_vs_resident": r["tokens_per_s"] / ref["tokens_per_s"],
+                            "seconds": r["seconds"],
+                            "load_average_1min": r["load_average_1min"],
+                            "generated_tokens": r["generated_tokens"],
+                            "tokens_identical_to_resident": r["tokens"] == ref["tokens"],
+                            **_summary(stats, r),
+                        }
+                        result["tiered"].append(row)
+                        done += 1
+                        pred = row["prediction"]
+                        rp = " ".join(
+                            f"d{d} {v['recall']:.2f}/{v['precision']:.2f}" for d, v in pred.items()
+                        )
+                        _log(
+                            f"[{done}/{total_runs}] {corpus} cap {capacity:.0%} {spec} b{b}: "
+                            f"{row['tokens_per_s']:.2f} tok/s "
+                            f"({row['speed_vs_resident']:.2f}x resident), stall "
+                            f"{row['stall_seconds_per_generated_token']:.3f} s/tok, hit "
+                            f"{row['hit_rate'] or 0:.2f}, loader busy "
+                            f"{row['loader_busy_fraction']:.2f}, identical "
+                            f"{row['tokens_identical_to_resident']} {rp}"
+                        )
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    for r in result["resident"].values():
+        r.pop("tokens")
+    result["seconds"] = time.perf_counter() - t_start
+    return result
+
+
+def plot_bench(result: dict[str, Any], path: str | Path) -> None:
+    """Per corpus and batch: tokens/s, stall per token and hit rate against capacity, one
+    line per predictor, the resident speed as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["tiered"]
+    groups = sorted({(r["corpus"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(3, len(groups), figsize=(4.5 * len(groups), 10), squeeze=False)
+    for col, (corpus, b) in enumerate(groups):
+        mine = [r for r in rows if r["corpus"] == corpus and r["batch"] == b]
+        labels = sorted({(r["predictor"], r["lookahead"]) for r in mine})
+        for pred, d in labels:
+            pts = sorted(
+                (r["capacity"], r) for r in mine if (r["predictor"], r["lookahead"]) == (pred, d)
+            )
+            xs = [100 * c for c, _ in pts]
+            label = pred if pred == "none" else f"{pred} d={d}"
+            axes[0][col].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=label)
+            axes[1][col].plot(
+                xs,
+                [r["stall_seconds_per_generated_token"] for _, r in pts],
+                marker="o",
+                label=label,
+            )
+            axes[2][col].plot(xs, [r["hit_rate"] or 0 for _, r in pts], marker="o", label=label)
+        ref = result["resident"][f"{corpus}/b{b}"]["tokens_per_s"]
+        axes[0][col].axhline(ref, color="k", ls="--", label="all resident")
+        axes[0][col].set_title(f"{corpus}, batch {b}")
+        axes[0][col].set_ylabel("tokens/s")
+        axes[1][col].set_ylabel("stall s / generated token")
+        axes[2][col].set_ylabel("fast-tier hit rate")
+        axes[2][col].set_xlabel("fast tier, % of expert bytes")
+        for row in axes:
+            row[col].set_ylim(bottom=0)
+        axes[0][col].legend(fontsize=7)
+    fig.suptitle(
+        f"MoEfied SmolLM2-135M (upcycled, top-{result['top_k']} of 16), experts on disk, "
+        f"{result['env'].get('cpu', '')}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table of docs/moe-runtime.md (per generated token: loads, seconds of the
+    loader, wall seconds, stall seconds)."""
+    head = (
+        "| batch | fast tier | predictor | tok/s (x resident) | s/tok | stall s/tok | loads/tok "
+        "| loader s/tok | hit rate | late misses | recall / precision d=1 | d=2 | identical |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    lines = []
+    for r in result["tiered"]:
+        pred = r["prediction"]
+        g = r["generated_tokens"]
+
+        def rp(d, pred=pred):
+            v = pred.get(d)
+            return f"{v['recall']:.2f} / {v['precision']:.2f}" if v else "-"
+
+        name = (
+            r["predictor"] if r["predictor"] == "none" else f"{r['predictor']} d={r['lookahead']}"
+        )
+        corpus = f"{r['corpus']}, " if len(result["workload"]["corpora"]) > 1 else ""
+        lines.append(
+            f"| {corpus}{r['batch']} | {r['capacity']:.0%} | {name} | "
+            f"{r['tokens_per_s']:.2f} ({r['speed_vs_resident']:.2f}x) | {r['seconds'] / g:.3f} | "
+            f"{r['stall_seconds_per_generated_token']:.3f} | {r['loads'] / g:.0f} | "
+            f"{r['load_seconds'] / g:.3f} | {r['hit_rate'] or 0:.2f} | "
+            f"{r['late']} of {r['misses']} | {rp('1')} | {rp('2')} | "
+            f"{'yes' if r['tokens_identical_to_resident'] else 'NO'} |"
+        )
+    res = " ".join(
+        f"{k}: {v['tokens_per_s']:.2f} tok/s ({v['seconds'] / v['generated_tokens']:.3f} s/tok);"
+        for k, v in result["resident"].items()
+    )
+    return head + "\n".join(lines) + f"\n\nAll resident: {res}\n"
