@@ -246,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         "moe",
         help="the MoEfied model (upcycled from dense by the project): build, quality (no vLLM)",
     )
-    add_moe_arguments(moe)
+    from vllm_adaptive.bench.moe import add_moe_bench_arguments
+
+    add_moe_bench_arguments(add_moe_arguments(moe))
 
     from vllm_adaptive.oracle import add_oracle_arguments
 

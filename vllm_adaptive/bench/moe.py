@@ -21,6 +21,8 @@ the file (dropped from the page cache first).
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from functools import partial
@@ -372,3 +374,71 @@ def table(result: dict[str, Any]) -> str:
         for k, v in result["resident"].items()
     )
     return head + "\n".join(lines) + f"\n\nAll resident: {res}\n"
+
+
+def add_moe_bench_arguments(moe_sub) -> None:
+    """``vllm-adaptive moe bench`` under the ``moe`` subcommands (``moe_sub``)."""
+    bench = moe_sub.add_parser(
+        "bench",
+        help="expert offloading in a real vLLM engine: tokens/s, stall, hit rate, prediction "
+        "recall/precision per fast-tier capacity, predictor and batch, against all-resident",
+    )
+    bench.add_argument("--model", nargs=1, default=["smollm2-135m-moefied"])
+    bench.add_argument(
+        "--top-k", type=int, default=8, help="routing k (hf_overrides num_experts_per_tok)"
+    )
+    bench.add_argument("--corpus", nargs="+", required=True, help="prompts from their last 10%%")
+    bench.add_argument("--capacities", default="0.25,0.5,1.0")
+    bench.add_argument("--batches", default="1,8")
+    bench.add_argument(
+        "--predictors",
+        default="none,pregate:1,pregate:2,m2r2:1,m2r2:2",
+        help="comma-separated NAME[:LOOKAHEAD]",
+    )
+    bench.add_argument("--m2r2-adapters", default=None, help="dir from `moe train-m2r2`")
+    bench.add_argument("--prompts-b1", type=int, default=2, help="prompts run one by one at b1")
+    bench.add_argument("--prompt-tokens", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=24)
+    bench.add_argument("--slow-tier-dir", default=None, help="default: a temporary directory")
+    bench.add_argument("--kv-cache-gib", type=int, default=1)
+    bench.add_argument("--eviction", choices=("lru", "cyclic"), default="lru")
+    bench.add_argument("--out", required=True, help="JSON file")
+    bench.add_argument("--plot", default=None, help="PNG file")
+    bench.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+
+    predictors = [p for p in args.predictors.split(",") if p]
+    if any(p.startswith("m2r2") for p in predictors) and not args.m2r2_adapters:
+        raise SystemExit("--predictors has m2r2: give --m2r2-adapters DIR (`moe train-m2r2`)")
+    result = run_bench(
+        str(_checkpoint(args.model[0])),
+        list(args.corpus),
+        top_k=args.top_k,
+        capacities=[float(c) for c in args.capacities.split(",")],
+        batches=[int(b) for b in args.batches.split(",")],
+        predictors=predictors,
+        m2r2_adapters=args.m2r2_adapters,
+        prompts_per_batch1=args.prompts_b1,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        slow_tier_dir=args.slow_tier_dir,
+        kv_cache_gib=args.kv_cache_gib,
+        eviction=args.eviction,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot_bench(result, args.plot)
+    sys.stdout.write(table(result))
+    return 0
+
+
+def _checkpoint(name_or_dir: str) -> Path:
+    """A checkpoint directory (the CLI turns model names into prepared directories first)."""
+    p = Path(name_or_dir)
+    if not p.is_dir():
+        raise SystemExit(f"{name_or_dir}: not a checkpoint directory")
+    return p
