@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_adaptive.telemetry_exchange import STATS_DIR_ENV
+
 SERVED_NAME = "smollm2-135m-instruct"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -99,6 +101,11 @@ def serving(
         cmd += ["--served-model-name", SERVED_NAME, "--additional-config", config, *common]
     server_env = {**os.environ, **(env or {})}
     server_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # A server of its own telemetry exchange, as a user's fresh shell gives it: this test
+    # process may have exported one already (an in-process engine), whose stats files from
+    # earlier engines would otherwise be summed into this server's /metrics.
+    if not (env or {}).get(STATS_DIR_ENV):
+        server_env[STATS_DIR_ENV] = str(log.parent / "adaptive-stats")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env)
     try:
