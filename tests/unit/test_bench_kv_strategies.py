@@ -218,6 +218,31 @@ def _table_rows(md: str) -> dict[str, list[str]]:
         (COMBINED, "monotone/emad|river b0.6 tau0.9"),
         ({"mode": "off", **MASK}, "off: mask/emad b0.6"),
         ({}, "{}"),
+        ({"precision": {"policy": "fixed", "gear": "w8a16"}}, "fixed w8a16"),
+        (
+            {"precision": {"policy": "fixed", "gear": "fp16", "head_gears": ["fp16"] * 3}},
+            "fixed fp16 head fp16",
+        ),
+        (
+            {
+                "precision": {
+                    "policy": "gearbx",
+                    "gears": ["w8a8", "w8a16", "w8a16"],
+                    "routing": "token",
+                    "head_gears": ["w8a16", "w8a16", "fp16"],
+                    "smoothing": {"profile": "/tmp/kb/smooth-8k"},
+                }
+            },
+            "gearbx w8a8/w8a16/w8a16 token head w8a16/w8a16/fp16 smooth[smooth-8k]",
+        ),
+        (
+            {"precision": {"policy": "fixed", "gear": "int8", "modules": ["qkv_proj", "o_proj"]}},
+            "fixed int8 no head only qkv_proj,o_proj",
+        ),
+        (
+            {**MONOTONE, "precision": {"policy": "fixed", "gear": "fp16"}},
+            "monotone/emad b0.6 + fixed fp16",
+        ),
     ],
 )
 def test_config_labels(config: dict[str, Any], label: str) -> None:

@@ -92,13 +92,54 @@ def depth_parts(depth: dict[str, Any], engine: dict[str, Any] | None = None) -> 
     }
 
 
+def precision_label(precision: dict[str, Any]) -> str:
+    """``fixed w8a16 head w8a16``, ``gearbx w8a8/w8a16/fp16 token smooth[smooth-8k]``: what
+    decides a precision run's speed and quality (policy, gears, routing, head, modules,
+    smoothing), with the config's defaults left out."""
+    policy = precision.get("policy", "gearbx")
+    parts = [policy]
+    if policy == "fixed":
+        parts.append(str(precision.get("gear")))
+    elif precision.get("gears"):
+        parts.append("/".join(map(str, precision["gears"])))
+    if precision.get("routing"):
+        parts.append(str(precision["routing"]))
+    if precision.get("head_gears"):
+        heads = list(precision["head_gears"])
+        parts.append("head " + (heads[0] if len(set(heads)) == 1 else "/".join(heads)))
+    modules = precision.get("modules")
+    if modules and "lm_head" not in modules:
+        parts.append("no head")
+    if modules and set(modules) - {"lm_head"} != {
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    }:
+        parts.append("only " + ",".join(m for m in modules if m != "lm_head"))
+    if precision.get("tiers"):
+        parts.append(str(precision["tiers"]))
+    smoothing = precision.get("smoothing")
+    if smoothing:
+        name = str(smoothing.get("profile", "")).rstrip("/").rsplit("/", 1)[-1]
+        parts.append(f"smooth[{name}]" if name else "smooth")
+    return " ".join(parts)
+
+
 def config_label(config: dict[str, Any], engine: dict[str, Any] | None = None) -> str:
     """``mask/emad b0.6``, ``river(g32 asym, L_s 8)/river tau0.95``,
-    ``propagate/quicksilver 60/2.0``; non-depth configs: their JSON, shortened."""
+    ``propagate/quicksilver 60/2.0``, ``fixed w8a16 head w8a16`` (a depth config with a fixed
+    precision: both, joined by ``+``); other configs: their JSON, shortened."""
     depth = config.get("depth")
+    precision = config.get("precision")
+    labels = []
     if isinstance(depth, dict):
         p = depth_parts(depth, engine)
-        label = f"{p['kv']}/{p['signal']} {p['knobs']}".rstrip()
+        labels.append(f"{p['kv']}/{p['signal']} {p['knobs']}".rstrip())
+    if isinstance(precision, dict):
+        labels.append(precision_label(precision))
+    if labels:
+        label = " + ".join(labels)
         return f"off: {label}" if config.get("mode") == "off" else label
     text = json.dumps(config, separators=(",", ":"))
     return text if len(text) <= 40 else text[:37] + "..."
