@@ -150,7 +150,7 @@ def run_bench(
     max_tokens: int,
     slow_tier_dir: str | None,
     kv_cache_gib: int = 1,
-    eviction: str = "lru",
+    eviction: str = "cyclic",
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -401,7 +401,7 @@ def add_moe_bench_arguments(moe_sub) -> None:
     bench.add_argument("--max-tokens", type=int, default=24)
     bench.add_argument("--slow-tier-dir", default=None, help="default: a temporary directory")
     bench.add_argument("--kv-cache-gib", type=int, default=1)
-    bench.add_argument("--eviction", choices=("lru", "cyclic"), default="lru")
+    bench.add_argument("--eviction", choices=("cyclic", "lru"), default="cyclic")
     bench.add_argument("--out", required=True, help="JSON file")
     bench.add_argument("--plot", default=None, help="PNG file")
     bench.set_defaults(func=_run_bench)
