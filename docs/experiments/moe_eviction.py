@@ -5,13 +5,16 @@ Both replay traces through the real ``FastTier`` (``vllm_adaptive/moe/replay.py`
 records, every load drained before the next layer, so hit rates do not depend on timing).
 
     # (1) victim search, synthetic trace: 30 layers x top-8 of 16, 25% capacity
-    python docs/experiments/moe_eviction.py victim-bench
+    python docs/experiments/moe_eviction.py victim-bench --steps 16 --repeats 3 \
+        --prefetch none,perfect:1 --out docs/data/moe-victim-search-after.json
     # (2) eviction policy: traces recorded from the MoEfied model at top-8 (transformers) on
     #     held-out windows of each corpus, plus the synthetic one
     python docs/experiments/moe_eviction.py simulate \
         --model ~/.cache/vllm-adaptive/models/smollm2-135m-moefied \
         --corpus /tmp/mlxdev/corpora/prose.txt /tmp/mlxdev/corpora/code.txt \
+        --windows 4 --window 128 --prefetch none,perfect:1,perfect:2,pregate:1,pregate:2 \
         --out docs/data/moe-eviction-sim.json
+    # (1) was also run with --capacity 0.5 --prefetch none (the -50.json files)
 
 Written up in docs/moe-runtime.md ("Eviction policy").
 """
