@@ -526,9 +526,12 @@ class MoeConfig(_Strict):
     """How many layers ahead the predictor prefetches (d)."""
     capacity: float | None = Field(None, gt=0.0, le=1.0)
     """Fast-tier size as a fraction of all experts (default 1.0: every expert fits)."""
-    eviction: Literal["lru", "cyclic"] = "lru"
-    """Fast-tier eviction: "lru", or "cyclic" (the expert whose layer comes back last in the
-    fixed layer order goes first: Belady's choice when a step's experts outgrow the tier)."""
+    eviction: Literal["cyclic", "lru"] = "cyclic"
+    """Fast-tier eviction: "cyclic" (the expert whose layer comes back last in the fixed layer
+    order goes first: Belady's choice when a step's experts outgrow the tier), or "lru". Cyclic
+    is the default because layers run in a cycle: LRU then evicts the layer needed next, and
+    a predictor's prefetches made it reload every expert each step (docs/moe-runtime.md,
+    "Eviction policy")."""
     fast_tier_bytes: int | None = Field(None, ge=1)
     """Fast-tier size in bytes (instead of ``capacity``)."""
     slow_tier_dir: str | None = None

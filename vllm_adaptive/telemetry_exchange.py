@@ -12,7 +12,12 @@ one directory, JSON only (no pickle: nothing read here can execute code):
     "layers_executed": ..., "exit_tokens": {"12": ..., "30": ...}, ...}``).
     Rewritten whole and atomically (temporary file + ``os.replace``), so a
     reader sees the old or the new file, never half of one. Write from one
-    rank per engine (e.g. tensor-parallel rank 0): readers sum all files.
+    rank per engine (e.g. tensor-parallel rank 0): readers sum the files of
+    engine processes that are still alive. A file whose process is gone is
+    ignored (left in place): a restarted engine, or a directory inherited from
+    an earlier run, must not add a dead process's totals to ``/metrics``. A pid
+    the system has since given to a process started after the file's last write
+    counts as gone too (Linux: the start time in ``/proc/<pid>/stat``).
 
 ``requests.jsonl``
     One JSON line per finished request, with a ``"tag"`` key (the request's
@@ -122,16 +127,58 @@ def write_engine_stats(stats: dict[str, Any], directory: str | os.PathLike | Non
 
 
 def read_engine_stats(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """Every readable ``engine-*.json`` object, in file-name order; bad files are skipped."""
+    """Every readable ``engine-<pid>.json`` object of a live process, in file-name order; bad
+    files and files of dead processes are skipped."""
     out = []
     for file in sorted(_dir(directory).glob(f"{ENGINE_PREFIX}*.json")):
+        pid = _file_pid(file)
+        if pid is None:
+            continue
         try:
+            written = file.stat().st_mtime
             value = json.loads(file.read_text())
         except (OSError, ValueError):  # vanished, unreadable, partial or not JSON
             continue
-        if isinstance(value, dict):
+        if isinstance(value, dict) and _alive(pid, written):
             out.append(value)
     return out
+
+
+def _file_pid(file: Path) -> int | None:
+    digits = file.name[len(ENGINE_PREFIX) : -len(".json")]
+    return int(digits) if digits.isdigit() and int(digits) > 0 else None
+
+
+def _alive(pid: int, written: float) -> bool:
+    """Whether the process that wrote a file last modified at ``written`` still runs."""
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    except OSError:
+        return False
+    started = _start_time(pid)
+    # the pid now names a process younger than the file: the writer died and the pid was reused
+    return started is None or started <= written + 2.0
+
+
+def _start_time(pid: int) -> float | None:
+    """The process's start time (epoch seconds) from /proc, None where unavailable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime, clock ticks
+        return _boot_time() + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_time() -> float:
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise ValueError("no btime in /proc/stat")
 
 
 # -- per-request records (one JSON line each, bounded by rotation) ----------------------------

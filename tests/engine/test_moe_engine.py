@@ -6,7 +6,8 @@ split into 8 experts by the identity permutation, with a random top-4 router): i
 nothing and no hit rate measured here says anything about a real MoE. One engine pair, one at a
 time: all-resident (no ``adaptive`` section), then tiered (``capacity`` 0.25, ``m2r2`` looking 2
 layers ahead with adapters trained on the fixture for a few seconds), whose predictor is then
-switched to ``pregate`` (2 ahead) and to ``none`` on the same engine. The
+switched to ``pregate`` (2 ahead) and to ``none`` on the same engine, all with the default
+"cyclic" eviction, and last to "lru" eviction (an empty tier of 25% again). The
 workload is one batch of several greedy prompts, two sharing a prefix longer than a KV block,
 run twice (the second run reads the prefix cache), on the suite's engine arguments (prefix
 caching, chunked prefill, a small KV cache). Preemption: ``tests/slow/test_moe_preemption.py``.
@@ -14,6 +15,7 @@ caching, chunked prefill, a small KV cache). Preemption: ``tests/slow/test_moe_p
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +25,12 @@ from tests.support.engines import make_llm, metric, shutdown
 from tests.support.moefied import build_mechanics_moefied, train_fixture_adapters
 from tests.support.workloads import PROMPTS
 from vllm_adaptive.introspection import describe_parts
-from vllm_adaptive.models.moefied_llama import moe_stats, reset_moe_stats, set_moe_predictor
+from vllm_adaptive.models.moefied_llama import (
+    moe_stats,
+    reset_moe_stats,
+    set_moe_capacity,
+    set_moe_predictor,
+)
 
 SHARED = "Here is a long list of facts about the planets of the solar system. " * 12
 BATCH = [*PROMPTS[:5], SHARED + "Mercury is", SHARED + "Neptune is"]
@@ -76,6 +83,14 @@ def runs(moefied_dir: Path, m2r2_adapters: Path) -> dict:
             llm.reset_prefix_cache()
             out[name] = _generate(llm)
             (out[f"{name}_stats"],) = llm.apply_model(moe_stats)
+        # the other eviction policy, selectable on a running engine (an empty tier of 25%)
+        t0 = time.perf_counter()
+        llm.apply_model(partial(set_moe_capacity, capacity=0.25, eviction="lru"))
+        llm.apply_model(reset_moe_stats)
+        llm.reset_prefix_cache()
+        out["lru"] = _generate(llm)
+        (out["lru_stats"],) = llm.apply_model(moe_stats)
+        out["lru_seconds"] = time.perf_counter() - t0  # what the lru case adds to the tier
         out["prefix_hits"] = metric(llm, "vllm:prefix_cache_hits")
     finally:
         shutdown(llm)
@@ -84,6 +99,7 @@ def runs(moefied_dir: Path, m2r2_adapters: Path) -> dict:
         keys = ("slots", "hits", "misses", "loads", "evictions", "stall_seconds", "tokens")
         print(name, {k: s[k] for k in keys}, "prediction", s["prediction"])
     print("slow tier cold read MB/s", out["none_stats"]["slow_tier_cold_read_bytes_per_s"] / 1e6)
+    print(f"lru case: {out['lru_seconds']:.1f} s")
     return out
 
 
@@ -106,22 +122,24 @@ def test_model_interface_names_the_experts(runs) -> None:
         assert not layer["llama_block"]
 
 
-@pytest.mark.parametrize("predictor", PREDICTORS)
+@pytest.mark.parametrize("predictor", [*PREDICTORS, "lru"])
 def test_tiered_output_is_the_resident_output(runs, predictor) -> None:
     for i, (got, ref) in enumerate(zip(runs[predictor], runs["resident"], strict=True)):
         first = next((j for j, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
         assert first is None, f"{predictor}: sequence {i} diverges at token {first}"
 
 
-@pytest.mark.parametrize("predictor", PREDICTORS)
+@pytest.mark.parametrize("predictor", [*PREDICTORS, "lru"])
 def test_tiers_evicted_and_never_computed_an_unready_expert(runs, predictor) -> None:
     s = runs[f"{predictor}_stats"]
+    # cyclic by default; "lru" (predictor none) selected on the running engine
+    assert s["eviction"] == ("lru" if predictor == "lru" else "cyclic")
     assert s["slots"] == int(0.25 * s["experts"])
     assert s["violations"] == 0
     assert s["evictions"] > 0 and s["loads"] > s["slots"]
     assert s["misses"] > 0 and s["stall_seconds"] > 0
     assert s["slow_tier_cold_read_bytes_per_s"] > 0
-    if predictor != "none":
+    if predictor not in ("none", "lru"):
         assert s["predictor"] == predictor and s["lookahead"] == 2
         assert s["prefetches"] > 0
         assert set(s["prediction"]) == {"1", "2"}

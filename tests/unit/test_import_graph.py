@@ -51,6 +51,13 @@ OFFLINE = (
     # adapter training
     "vllm_adaptive.m2r2.args",
     "vllm_adaptive.m2r2.train",
+    # MoEfying, its quality evaluation and the M2R2 expert-prediction adapters' training
+    "vllm_adaptive.moe.args",
+    "vllm_adaptive.moe.collect",
+    "vllm_adaptive.moe.m2r2",
+    "vllm_adaptive.moe.moefy",
+    "vllm_adaptive.moe.quality",
+    "vllm_adaptive.moe.reference",
     # W8A8 smoothing calibration
     "vllm_adaptive.precision.smoothing",
     # the logit-lens oracle (transformers only)

@@ -20,7 +20,8 @@ def test_defaults_and_valid_sections() -> None:
     cfg = parse_adaptive_config({"moe": {"predictor": "pregate", "lookahead": 3, "capacity": 0.25}})
     assert cfg.active_moe is cfg.moe and cfg.any_mechanism_enabled
     assert parse_adaptive_config({"moe": {"capacity": 1}}).moe.capacity == 1.0
-    assert parse_adaptive_config({"moe": {"eviction": "cyclic"}}).moe.eviction == "cyclic"
+    assert moe.eviction == "cyclic"  # the default (docs/moe-runtime.md, "Eviction policy")
+    assert parse_adaptive_config({"moe": {"eviction": "lru"}}).moe.eviction == "lru"
     m2r2 = parse_adaptive_config({"moe": {"predictor": "m2r2", "m2r2_adapters": "/a"}}).moe
     assert (m2r2.predictor, m2r2.m2r2_adapters) == ("m2r2", "/a")
     assert parse_adaptive_config({"moe": {"fast_tier_bytes": 10**8}}).moe.fast_tier_bytes == 10**8

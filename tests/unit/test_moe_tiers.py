@@ -440,3 +440,101 @@ def test_m2r2_adapter_files_are_checked(tmp_path) -> None:
     (tmp_path / "a" / "moe_m2r2.safetensors").write_bytes(b"garbage")
     with pytest.raises(StreamAdapterError, match="sha256"):
         StreamAdapters.load(tmp_path / "a")
+
+
+# -- the indexed victim search -----------------------------------------------------------------
+
+
+def _noisy_predictions(trace, experts: int, lookahead: int, seed: int):
+    """Each layer names the next layers' experts, with one random extra and one dropped (a
+    predictor with misses and waste: soft pins that are never needed)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for step in trace:
+        per_layer = []
+        for layer in range(len(step)):
+            pred = {}
+            for j in range(layer + 1, min(len(step), layer + lookahead + 1)):
+                names = set(step[j][1:]) | {rng.randrange(experts)}
+                pred[j] = sorted(names)
+            per_layer.append(pred)
+        out.append(per_layer)
+    return out
+
+
+@pytest.mark.parametrize("eviction", ["lru", "cyclic"])
+@pytest.mark.parametrize("slots", [3, 7, 12])
+def test_indexed_victim_search_chooses_what_the_scan_chooses(tmp_path, eviction, slots) -> None:
+    """At every load of a trace (with and without a noisy predictor's soft pins), the indexed
+    search (O(log n)) picks the very slot the reference scan of every slot picks. Outstanding
+    loads are waited for first, so both see the same READY slots."""
+    from concurrent.futures import wait as wait_all
+
+    from vllm_adaptive.moe.replay import replay, synthetic_trace
+
+    layers, e = 5, 6
+    w = _weights(layers, e)
+    tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
+    checked = []
+    try:
+        for batch, preds in [(1, None), (2, "noisy"), (1, "noisy")]:
+            trace = synthetic_trace(12, layers, e, 2, batch, seed=batch)
+            predictions = _noisy_predictions(trace, e, 2, seed=3) if preds else None
+            fast = FastTier(tier, slots, eviction=eviction)
+            indexed = fast._victim
+
+            def both(allow_soft, fast=fast, indexed=indexed):
+                wait_all([s.future for s in fast.slots if s.future is not None])
+                got = indexed(allow_soft)
+                want = fast._victim_scan(allow_soft)
+                assert got is want, (fast.current_layer, allow_soft, got, want)
+                checked.append(got is not None and got.state != "empty")
+                return got
+
+            fast._victim = both
+            try:
+                r = replay(fast, trace, predictions)
+            finally:
+                fast.loader.shutdown()
+            assert fast.stats.violations == 0 and r.loads > slots
+        assert sum(checked) > 50  # most searches evicted something (not just EMPTY slots)
+    finally:
+        tier.close()
+
+
+def test_indexed_victim_search_after_cancelled_prefetches(tmp_path, monkeypatch) -> None:
+    """Cancelled prefetches leave EMPTY slots: the lowest-index one is the victim, in both
+    searches; soft pins released by layer become evictable again in both."""
+    layers, e = 4, 4
+    w = _weights(layers, e)
+    tier = SlowTier.write(tmp_path / "x.bin", layers, e, LAYOUT, lambda a, b: w[a, b])
+    fast = FastTier(tier, 4)
+    gate = threading.Event()
+    read = tier.read_into
+    monkeypatch.setattr(tier, "read_into", lambda key, dst: (gate.wait(5), read(key, dst)))
+    try:
+        fast.current_layer = 0
+        assert fast.demand((0, 0))  # holds the loader
+        for key in [(1, 1), (2, 2), (1, 3)]:
+            assert fast.start_load(key, soft=True)
+        assert fast._victim(True) is None and fast._victim_scan(True) is None
+        assert fast.cancel_prefetches(1) == 2  # (1, 1) and (1, 3): slots 1 and 3
+        assert fast._victim(False) is fast._victim_scan(False) is fast.slots[1]
+        gate.set()
+        fast.acquire((0, 0))
+        fast.unpin((0, 0))
+        fast.drain()
+        for key in [(3, 0), (3, 1)]:  # fill slots 1 and 3
+            assert fast.start_load(key)
+        fast.drain()
+        for layer in range(layers):
+            fast.current_layer = layer
+            for soft in (False, True):
+                assert fast._victim(soft) is fast._victim_scan(soft)
+        fast.release_soft(2)
+        fast.current_layer = 2  # cyclic: layer 2 comes back last, (2, 2) goes first
+        assert fast._victim(False) is fast._victim_scan(False) is fast.slots[fast.where[2, 2]]
+    finally:
+        fast.close()

@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from vllm_adaptive.moe.collect import collect_mlp_inputs, collect_residuals  # noqa: E402
 from vllm_adaptive.moe.moefy import (  # noqa: E402
     MoefyOptions,
     balanced_assign,
     balanced_kmeans,
-    collect_mlp_inputs,
     expert_permutation,
     ks_for,
     moefied_config,
@@ -145,6 +145,21 @@ def test_top_k_is_the_sum_of_the_selected_experts(mode: str) -> None:
                 for e in experts
             )
             torch.testing.assert_close(got[t], want, rtol=1e-12, atol=1e-12)
+
+
+def test_one_collector_serves_mlp_inputs_and_residuals() -> None:
+    """The MLP input is post_attention_layernorm of the residual after attention: both come
+    from the same hook collector (moe/collect.py), for every token of every window, in order."""
+    model = tiny_model(torch.float64)
+    bos = 0
+    inputs = collect_mlp_inputs(model, windows(), bos, progress=False)
+    residuals = collect_residuals(model, windows(), bos)
+    assert residuals.shape == (LAYERS, 6 * 16, HIDDEN)
+    for layer, x, h in zip(model.model.layers, inputs, residuals, strict=True):
+        with torch.no_grad():
+            want = layer.post_attention_layernorm(h.double()).float()
+        torch.testing.assert_close(x, want)
+    assert not torch.equal(residuals[0], residuals[1])
 
 
 def test_router_shapes_and_recall_stats() -> None:

@@ -47,6 +47,27 @@ PRECISION_STATS = {
 }
 
 
+@pytest.fixture
+def live_pids():
+    """Pids of live processes (other engines' writers), ended after the test."""
+    procs = []
+
+    def make() -> int:
+        procs.append(subprocess.Popen(["sleep", "300"]))
+        return procs[-1].pid
+
+    yield make
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()  # reaped: the pid names no process (until the system reuses it)
+    return p.pid
+
+
 # -- engine stats ----------------------------------------------------------------------------
 
 
@@ -79,6 +100,20 @@ def test_partial_and_foreign_files_are_skipped(tmp_path: Path) -> None:
     (tmp_path / ".engine-4.123.tmp").write_text(json.dumps({"decode_tokens": 9}))
     (tmp_path / "other.json").write_text(json.dumps({"decode_tokens": 9}))
     assert read_engine_stats(tmp_path) == [DEPTH_STATS]
+
+
+def test_files_of_dead_engine_processes_are_ignored(tmp_path: Path, live_pids) -> None:
+    """Only live engines count: a restarted engine or an inherited directory must not add a dead
+    process's totals; nor does a pid reused by a process started after the file was written."""
+    live, reused, dead = live_pids(), live_pids(), _dead_pid()
+    for pid, tokens in [(live, 1), (reused, 10), (dead, 100)]:
+        (tmp_path / f"engine-{pid}.json").write_text(json.dumps({"decode_tokens": tokens}))
+    old = os.stat(tmp_path / f"engine-{reused}.json").st_mtime - 3600
+    os.utime(tmp_path / f"engine-{reused}.json", (old, old))  # written before `reused` started
+    write_engine_stats({"decode_tokens": 1000}, tmp_path)  # this process: alive
+    got = sorted(s["decode_tokens"] for s in read_engine_stats(tmp_path))
+    assert got == [1, 1000]
+    assert len(list(tmp_path.glob("engine-*.json"))) == 4  # ignored, not deleted
 
 
 def test_empty_or_missing_dir(tmp_path: Path) -> None:
@@ -132,17 +167,20 @@ import json, os, subprocess, sys
 from vllm_adaptive.plugin import register
 register()
 register()  # vLLM may call it twice in one process
-from vllm_adaptive.telemetry_exchange import stats_dir, write_engine_stats
+from vllm_adaptive.telemetry_exchange import stats_dir, write_engine_stats, read_engine_stats
 d = os.environ["ADAPTIVE_STATS_DIR"]
 assert str(stats_dir()) == d
-child = subprocess.run(
+child = subprocess.Popen(
     [sys.executable, "-c",
-     "from vllm_adaptive.telemetry_exchange import *; "
-     "write_engine_stats({'decode_tokens': 5}); print(stats_dir())"],
-    check=True, capture_output=True, text=True,
-).stdout.strip()
-from vllm_adaptive.telemetry_exchange import read_engine_stats
-print(json.dumps({"dir": d, "child": child, "read": read_engine_stats()}))
+     "import sys; from vllm_adaptive.telemetry_exchange import *; "
+     "write_engine_stats({'decode_tokens': 5}); print(stats_dir(), flush=True); sys.stdin.read()"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+)
+child_dir = child.stdout.readline().strip()
+read = read_engine_stats()  # the child is alive: counted
+child.stdin.close()
+child.wait()
+print(json.dumps({"dir": d, "child": child_dir, "read": read, "after": read_engine_stats()}))
 """
     env = {k: v for k, v in os.environ.items() if k != STATS_DIR_ENV}
     out = subprocess.run(
@@ -152,6 +190,7 @@ print(json.dumps({"dir": d, "child": child, "read": read_engine_stats()}))
     assert Path(result["dir"]).name.startswith("vllm-adaptive-")
     assert result["child"] == result["dir"]
     assert result["read"] == [{"decode_tokens": 5}]
+    assert result["after"] == []  # the child exited: its file no longer counts
     assert not Path(result["dir"]).exists()  # a created dir is removed when its creator exits
 
     # A dir the user names is used (created if needed) and kept.
@@ -177,7 +216,7 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
     }
 
 
-def test_collector_exports_file_totals(tmp_path: Path) -> None:
+def test_collector_exports_file_totals(tmp_path: Path, live_pids) -> None:
     from vllm_adaptive.metrics import COUNTERS, AdaptiveTelemetryCollector
 
     other = {
@@ -188,9 +227,9 @@ def test_collector_exports_file_totals(tmp_path: Path) -> None:
         "forward_seconds": 0.5,
     }
     write_engine_stats(DEPTH_STATS, tmp_path)
-    (tmp_path / "engine-1.json").write_text(json.dumps(other))
-    (tmp_path / "engine-2.json").write_text("{")  # partial: skipped
-    (tmp_path / "engine-3.json").write_text(json.dumps(PRECISION_STATS))
+    (tmp_path / f"engine-{live_pids()}.json").write_text(json.dumps(other))
+    (tmp_path / f"engine-{live_pids()}.json").write_text("{")  # partial: skipped
+    (tmp_path / f"engine-{live_pids()}.json").write_text(json.dumps(PRECISION_STATS))
 
     now = [0.0]
     collector = AdaptiveTelemetryCollector(

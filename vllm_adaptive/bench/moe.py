@@ -17,12 +17,19 @@ first runs of an engine are slower); before each capacity's first measurement on
 generation fills the fast tier (steady state, not cold start); the counters are reset before
 every measurement. The slow tier's cold read bandwidth is measured on 64 records spread over
 the file (dropped from the page cache first).
+
+Repeats (``repeats``): every cell (corpus, batch, capacity, predictor; and the resident engine's
+corpus, batch) is measured that many times, in rounds (round r runs every cell of a capacity
+once before round r+1 starts), so a burst of load from other jobs on the machine hits different
+cells rather than one cell's repeats. Tokens/s is reported per run and as median, min and max;
+the counters (hits, loads, stall, ...) are summed over a cell's runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from functools import partial
@@ -103,6 +110,75 @@ def _engine(model: str, top_k: int, moe: dict | None, kv_cache_gib: int):
     return LLM(model=model, additional_config=adaptive, **args)
 
 
+#: counters summed over a cell's repeats
+SUMMED = (
+    "hits",
+    "misses",
+    "late",
+    "loads",
+    "prefetches",
+    "prefetch_skipped",
+    "prefetch_promoted",
+    "prefetch_cancelled",
+    "evictions",
+    "stall_seconds",
+    "load_seconds",
+    "bytes_read",
+    "violations",
+    "tokens",
+    "steps",
+    "forward_seconds",
+)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min and max of one cell's repeats (and the values)."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "runs": list(values),
+    }
+
+
+def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's repeated runs (``_run`` results) as one: seconds and tokens summed, tokens/s
+    per run with its median/min/max, ``tokens`` from the first run and whether every run
+    generated the same."""
+    tps = [r["tokens_per_s"] for r in runs]
+    loads = [r["load_average_1min"] for r in runs if r["load_average_1min"] is not None]
+    return {
+        "repeats": len(runs),
+        "seconds": sum(r["seconds"] for r in runs),
+        "generated_tokens": sum(r["generated_tokens"] for r in runs),
+        "tokens_per_s": statistics.median(tps),
+        "tokens_per_s_spread": spread(tps),
+        "load_average_1min": max(loads) if loads else None,  # the worst of the runs
+        "tokens": runs[0]["tokens"],
+        "repeats_identical": all(r["tokens"] == runs[0]["tokens"] for r in runs),
+    }
+
+
+def combine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's ``moe_stats`` after each repeat (counters reset before each) as one."""
+    out = dict(stats[-1])
+    for key in SUMMED:
+        out[key] = sum(s.get(key) or 0 for s in stats)
+    demanded = out["hits"] + out["misses"]
+    out["hit_rate"] = out["hits"] / demanded if demanded else None
+    prediction: dict[str, dict[str, float]] = {}
+    for s in stats:
+        for d, v in (s.get("prediction") or {}).items():
+            acc = prediction.setdefault(d, {"predicted": 0, "needed": 0, "correct": 0})
+            for key in acc:
+                acc[key] += v[key]
+    for v in prediction.values():
+        v["recall"] = v["correct"] / v["needed"] if v["needed"] else 0.0
+        v["precision"] = v["correct"] / v["predicted"] if v["predicted"] else 0.0
+    out["prediction"] = prediction
+    return out
+
+
 def _summary(stats: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     gen = run["generated_tokens"]
     keep = (
@@ -150,7 +226,8 @@ def run_bench(
     max_tokens: int,
     slow_tier_dir: str | None,
     kv_cache_gib: int = 1,
-    eviction: str = "lru",
+    eviction: str = "cyclic",
+    repeats: int = 1,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -164,6 +241,8 @@ def run_bench(
         set_moe_predictor,
     )
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model)
     n_prompts = {b: (prompts_per_batch1 if b == 1 else b) for b in batches}
@@ -180,6 +259,7 @@ def run_bench(
         f"no expert training; run at top-k {top_k} (docs/moe.md gives its quality cost)",
         "top_k": top_k,
         "eviction": eviction,
+        "repeats": repeats,
         "workload": {
             "corpora": corpora,
             "prompt_tokens": prompt_tokens,
@@ -197,11 +277,15 @@ def run_bench(
     llm = _engine(model, top_k, None, kv_cache_gib)
     try:
         _warm_up(llm, workloads, batches, max_tokens)
-        for corpus, w in workloads.items():
-            for b in batches:
-                r = _run(llm, w[b], b, max_tokens)
-                result["resident"][f"{corpus}/b{b}"] = r
-                _log(f"resident {corpus} b{b}: {r['tokens_per_s']:.2f} tok/s")
+        resident_runs: dict[str, list] = {}
+        for _ in range(repeats):
+            for corpus, w in workloads.items():
+                for b in batches:
+                    r = _run(llm, w[b], b, max_tokens)
+                    resident_runs.setdefault(f"{corpus}/b{b}", []).append(r)
+                    _log(f"resident {corpus} b{b}: {r['tokens_per_s']:.2f} tok/s")
+        for key, runs in resident_runs.items():
+            result["resident"][key] = combine_runs(runs)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -225,63 +309,79 @@ def run_bench(
         }
         _log(f"slow tier cold read: {bw['bytes_per_s'] / 1e6:.0f} MB/s ({bw['records']} records)")
         _warm_up(llm, workloads, batches, max_tokens)
-        total_runs = len(capacities) * len(predictors) * len(batches) * len(workloads)
+        total_runs = len(capacities) * len(predictors) * len(batches) * len(workloads) * repeats
         done = 0
         for capacity in capacities:
             (slots,) = llm.apply_model(
                 partial(set_moe_capacity, capacity=capacity, eviction=eviction)
             )
             warm = True
-            for spec in predictors:
-                name, lookahead = parse_predictor(spec)
-                llm.apply_model(
-                    partial(
-                        set_moe_predictor,
-                        name=name,
-                        lookahead=lookahead,
-                        m2r2_adapters=m2r2_adapters if name == "m2r2" else None,
+            cells: dict[tuple, dict[str, list]] = {}
+            for _ in range(repeats):
+                for spec in predictors:
+                    name, lookahead = parse_predictor(spec)
+                    llm.apply_model(
+                        partial(
+                            set_moe_predictor,
+                            name=name,
+                            lookahead=lookahead,
+                            m2r2_adapters=m2r2_adapters if name == "m2r2" else None,
+                        )
                     )
+                    if warm:  # fill the fast tier once per capacity
+                        _run(llm, workloads[next(iter(workloads))]["warmup"], 1, max_tokens)
+                        warm = False
+                    for corpus, w in workloads.items():
+                        for b in batches:
+                            llm.apply_model(reset_moe_stats)
+                            r = _run(llm, w[b], b, max_tokens)
+                            (stats,) = llm.apply_model(moe_stats)
+                            cell = cells.setdefault((spec, corpus, b), {"runs": [], "stats": []})
+                            cell["runs"].append(r)
+                            cell["stats"].append(stats)
+                            done += 1
+                            _log(
+                                f"[{done}/{total_runs}] {corpus} cap {capacity:.0%} {spec} b{b}: "
+                                f"{r['tokens_per_s']:.2f} tok/s, hit {stats['hit_rate'] or 0:.2f}"
+                            )
+            for (spec, corpus, b), cell in cells.items():
+                name, lookahead = parse_predictor(spec)
+                r = combine_runs(cell["runs"])
+                stats = combine_stats(cell["stats"])
+                ref = result["resident"][f"{corpus}/b{b}"]
+                row = {
+                    "corpus": corpus,
+                    "capacity": capacity,
+                    "slots": slots,
+                    "eviction": eviction,
+                    "predictor": name,
+                    "lookahead": lookahead if name != "none" else 0,
+                    "batch": b,
+                    "repeats": r["repeats"],
+                    "tokens_per_s": r["tokens_per_s"],  # median of the repeats
+                    "tokens_per_s_spread": r["tokens_per_s_spread"],
+                    "speed_vs_resident": r["tokens_per_s"] / ref["tokens_per_s"],
+                    "seconds": r["seconds"],
+                    "load_average_1min": r["load_average_1min"],
+                    "generated_tokens": r["generated_tokens"],
+                    "tokens_identical_to_resident": r["repeats_identical"]
+                    and r["tokens"] == ref["tokens"],
+                    **_summary(stats, r),
+                }
+                result["tiered"].append(row)
+                pred = row["prediction"]
+                rp = " ".join(
+                    f"d{d} {v['recall']:.2f}/{v['precision']:.2f}" for d, v in pred.items()
                 )
-                if warm:  # fill the fast tier once per capacity
-                    _run(llm, workloads[next(iter(workloads))]["warmup"], 1, max_tokens)
-                    warm = False
-                for corpus, w in workloads.items():
-                    for b in batches:
-                        llm.apply_model(reset_moe_stats)
-                        r = _run(llm, w[b], b, max_tokens)
-                        (stats,) = llm.apply_model(moe_stats)
-                        ref = result["resident"][f"{corpus}/b{b}"]
-                        row = {
-                            "corpus": corpus,
-                            "capacity": capacity,
-                            "slots": slots,
-                            "eviction": eviction,
-                            "predictor": name,
-                            "lookahead": lookahead if name != "none" else 0,
-                            "batch": b,
-                            "tokens_per_s": r["tokens_per_s"],
-                            "speed_vs_resident": r["tokens_per_s"] / ref["tokens_per_s"],
-                            "seconds": r["seconds"],
-                            "load_average_1min": r["load_average_1min"],
-                            "generated_tokens": r["generated_tokens"],
-                            "tokens_identical_to_resident": r["tokens"] == ref["tokens"],
-                            **_summary(stats, r),
-                        }
-                        result["tiered"].append(row)
-                        done += 1
-                        pred = row["prediction"]
-                        rp = " ".join(
-                            f"d{d} {v['recall']:.2f}/{v['precision']:.2f}" for d, v in pred.items()
-                        )
-                        _log(
-                            f"[{done}/{total_runs}] {corpus} cap {capacity:.0%} {spec} b{b}: "
-                            f"{row['tokens_per_s']:.2f} tok/s "
-                            f"({row['speed_vs_resident']:.2f}x resident), stall "
-                            f"{row['stall_seconds_per_generated_token']:.3f} s/tok, hit "
-                            f"{row['hit_rate'] or 0:.2f}, loader busy "
-                            f"{row['loader_busy_fraction']:.2f}, identical "
-                            f"{row['tokens_identical_to_resident']} {rp}"
-                        )
+                sp = row["tokens_per_s_spread"]
+                _log(
+                    f"{corpus} cap {capacity:.0%} {spec} b{b}: {sp['median']:.2f} tok/s "
+                    f"[{sp['min']:.2f}, {sp['max']:.2f}] ({row['speed_vs_resident']:.2f}x "
+                    f"resident), stall {row['stall_seconds_per_generated_token']:.3f} s/tok, "
+                    f"hit {row['hit_rate'] or 0:.2f}, loader busy "
+                    f"{row['loader_busy_fraction']:.2f}, identical "
+                    f"{row['tokens_identical_to_resident']} {rp}"
+                )
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -292,8 +392,9 @@ def run_bench(
 
 
 def plot_bench(result: dict[str, Any], path: str | Path) -> None:
-    """Per corpus and batch: tokens/s, stall per token and hit rate against capacity, one
-    line per predictor, the resident speed as a dashed line."""
+    """Per corpus and batch: tokens/s (median, error bars from the repeats' min to max), stall
+    per token and hit rate against capacity, one line per predictor, the resident speed as a
+    dashed line (its min-max as a band)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,7 +412,10 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
             )
             xs = [100 * c for c, _ in pts]
             label = pred if pred == "none" else f"{pred} d={d}"
-            axes[0][col].plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=label)
+            med = [r["tokens_per_s"] for _, r in pts]
+            lo = [m - _spread(r)["min"] for m, (_, r) in zip(med, pts, strict=True)]
+            hi = [_spread(r)["max"] - m for m, (_, r) in zip(med, pts, strict=True)]
+            axes[0][col].errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=label)
             axes[1][col].plot(
                 xs,
                 [r["stall_seconds_per_generated_token"] for _, r in pts],
@@ -319,8 +423,10 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
                 label=label,
             )
             axes[2][col].plot(xs, [r["hit_rate"] or 0 for _, r in pts], marker="o", label=label)
-        ref = result["resident"][f"{corpus}/b{b}"]["tokens_per_s"]
-        axes[0][col].axhline(ref, color="k", ls="--", label="all resident")
+        res = result["resident"][f"{corpus}/b{b}"]
+        axes[0][col].axhline(res["tokens_per_s"], color="k", ls="--", label="all resident")
+        rs = _spread(res)
+        axes[0][col].axhspan(rs["min"], rs["max"], color="k", alpha=0.08)
         axes[0][col].set_title(f"{corpus}, batch {b}")
         axes[0][col].set_ylabel("tokens/s")
         axes[1][col].set_ylabel("stall s / generated token")
@@ -331,7 +437,8 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
         axes[0][col].legend(fontsize=7)
     fig.suptitle(
         f"MoEfied SmolLM2-135M (upcycled, top-{result['top_k']} of 16), experts on disk, "
-        f"{result['env'].get('cpu', '')}",
+        f"{result.get('eviction', 'lru')} eviction, median of {result.get('repeats', 1)} "
+        f"(bars: min-max), {result['env'].get('cpu', '')}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -340,11 +447,20 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def _spread(row: dict[str, Any]) -> dict[str, Any]:
+    """A cell's tokens/s median/min/max (one run, or a result written before repeats)."""
+    tps = row["tokens_per_s"]
+    return row.get("tokens_per_s_spread") or {"median": tps, "min": tps, "max": tps, "runs": [tps]}
+
+
 def table(result: dict[str, Any]) -> str:
     """The markdown table of docs/moe-runtime.md (per generated token: loads, seconds of the
-    loader, wall seconds, stall seconds)."""
+    loader, wall seconds, stall seconds; tok/s: median [min-max] of the repeats)."""
+    many = len(result["workload"]["corpora"]) > 1
     head = (
-        "| batch | fast tier | predictor | tok/s (x resident) | s/tok | stall s/tok | loads/tok "
+        f"| {'corpus, batch' if many else 'batch'} | fast tier | predictor "
+        "| tok/s [min-max] (x resident) | s/tok | stall s/tok "
+        "| loads/tok "
         "| loader s/tok | hit rate | late misses | recall / precision d=1 | d=2 | identical |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
@@ -360,17 +476,20 @@ def table(result: dict[str, Any]) -> str:
         name = (
             r["predictor"] if r["predictor"] == "none" else f"{r['predictor']} d={r['lookahead']}"
         )
-        corpus = f"{r['corpus']}, " if len(result["workload"]["corpora"]) > 1 else ""
+        corpus = f"{r['corpus']}, " if many else ""
+        sp = _spread(r)
         lines.append(
             f"| {corpus}{r['batch']} | {r['capacity']:.0%} | {name} | "
-            f"{r['tokens_per_s']:.2f} ({r['speed_vs_resident']:.2f}x) | {r['seconds'] / g:.3f} | "
+            f"{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}] "
+            f"({r['speed_vs_resident']:.2f}x) | {r['seconds'] / g:.3f} | "
             f"{r['stall_seconds_per_generated_token']:.3f} | {r['loads'] / g:.0f} | "
             f"{r['load_seconds'] / g:.3f} | {r['hit_rate'] or 0:.2f} | "
             f"{r['late']} of {r['misses']} | {rp('1')} | {rp('2')} | "
             f"{'yes' if r['tokens_identical_to_resident'] else 'NO'} |"
         )
     res = " ".join(
-        f"{k}: {v['tokens_per_s']:.2f} tok/s ({v['seconds'] / v['generated_tokens']:.3f} s/tok);"
+        f"{k}: {_spread(v)['median']:.2f} [{_spread(v)['min']:.2f}-{_spread(v)['max']:.2f}] "
+        f"tok/s ({v['seconds'] / v['generated_tokens']:.3f} s/tok);"
         for k, v in result["resident"].items()
     )
     return head + "\n".join(lines) + f"\n\nAll resident: {res}\n"
@@ -401,7 +520,13 @@ def add_moe_bench_arguments(moe_sub) -> None:
     bench.add_argument("--max-tokens", type=int, default=24)
     bench.add_argument("--slow-tier-dir", default=None, help="default: a temporary directory")
     bench.add_argument("--kv-cache-gib", type=int, default=1)
-    bench.add_argument("--eviction", choices=("lru", "cyclic"), default="lru")
+    bench.add_argument("--eviction", choices=("cyclic", "lru"), default="cyclic")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measure every cell this many times (in rounds); tokens/s median, min and max",
+    )
     bench.add_argument("--out", required=True, help="JSON file")
     bench.add_argument("--plot", default=None, help="PNG file")
     bench.set_defaults(func=_run_bench)
@@ -409,6 +534,8 @@ def add_moe_bench_arguments(moe_sub) -> None:
 
 def _run_bench(args: argparse.Namespace) -> int:
 
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     predictors = [p for p in args.predictors.split(",") if p]
     if any(p.startswith("m2r2") for p in predictors) and not args.m2r2_adapters:
         raise SystemExit("--predictors has m2r2: give --m2r2-adapters DIR (`moe train-m2r2`)")
@@ -426,6 +553,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         slow_tier_dir=args.slow_tier_dir,
         kv_cache_gib=args.kv_cache_gib,
         eviction=args.eviction,
+        repeats=args.repeats,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

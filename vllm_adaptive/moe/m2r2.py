@@ -210,34 +210,6 @@ def load_for_engine(
 # -- training -----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def collect_residuals(model, windows: list[list[int]], bos: int | None) -> torch.Tensor:
-    """[L, N, H] float32: every token's residual after attention (the input of
-    ``post_attention_layernorm``) in every layer of a transformers Llama."""
-    layers = list(model.model.layers)
-    store: list[list[torch.Tensor]] = [[] for _ in layers]
-    skip = 1 if bos is not None else 0
-
-    def hook(i):
-        def fn(_module, args):
-            store[i].append(args[0][0, skip:].detach().float().clone())
-
-        return fn
-
-    handles = [
-        layer.post_attention_layernorm.register_forward_pre_hook(hook(i))
-        for i, layer in enumerate(layers)
-    ]
-    try:
-        for w in windows:
-            ids = ([bos] if bos is not None else []) + list(w)
-            model.model(torch.tensor([ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.stack([torch.cat(s) for s in store])
-
-
 def _topk_recall(pred_logits: torch.Tensor, true_logits: torch.Tensor, k: int) -> float:
     p = torch.zeros_like(pred_logits, dtype=torch.bool).scatter_(
         -1, pred_logits.topk(k, -1).indices, True
@@ -269,6 +241,7 @@ def train_stream_adapters(
     from transformers import AutoTokenizer
 
     from vllm_adaptive.artifacts import model_fingerprint
+    from vllm_adaptive.moe.collect import collect_residuals
     from vllm_adaptive.moe.moefy import calibration_windows
     from vllm_adaptive.moe.reference import load_moefied, moefied_mlps
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from vllm_adaptive.moe.collect import collect_mlp_inputs
 from vllm_adaptive.moe.reference import (
     ARCHITECTURE,
     expert_contributions,
@@ -89,33 +90,6 @@ def calibration_windows(tok, corpora: list[str | Path], window: int, per_corpus:
         windows.extend(token_windows(ids, window, per_corpus))
         info.append({"path": str(path), "sha256": cf.sha256, "calibration_tokens": len(ids)})
     return windows, info
-
-
-@torch.no_grad()
-def collect_mlp_inputs(
-    model, windows: list[list[int]], bos: int | None = None, progress: bool = True
-) -> list[torch.Tensor]:
-    """Per layer, [N, hidden] float32: the MLP input of every token of every window (the BOS, when
-    prepended, is run but not kept)."""
-    layers = list(model.model.layers)
-    store: list[list[torch.Tensor]] = [[] for _ in layers]
-    skip = 1 if bos is not None else 0
-
-    def hook(i):
-        def fn(_module, args):
-            store[i].append(args[0][0, skip:].detach().float().clone())
-
-        return fn
-
-    handles = [layer.mlp.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
-    try:
-        for w in tqdm(windows, desc="calibration forward", disable=not progress, file=sys.stderr):
-            ids = ([bos] if bos is not None else []) + list(w)
-            model.model(torch.tensor([ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return [torch.cat(s) for s in store]
 
 
 # -- clustering ---------------------------------------------------------------------------------
