@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from vllm_adaptive.config import AdaptiveConfigError, parse_adaptive_config
+from vllm_adaptive.gears import HIGH, LOW, MID
 from vllm_adaptive.precision.calibration import percentile_thresholds
 from vllm_adaptive.precision.entropy import entropy_bits
-from vllm_adaptive.precision.gears import HIGH, LOW, MID
 from vllm_adaptive.precision.policies import (
     GearbxMonitor,
     GearbxSettings,

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from vllm_adaptive.batch_mirror import SlotMirror, listener, register_listener
+from vllm_adaptive.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.overrides import RequestOverrides
 from vllm_adaptive.precision.entropy import entropy_bits
-from vllm_adaptive.precision.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
 from vllm_adaptive.precision.telemetry import PrecisionTelemetry
 
