@@ -1,10 +1,10 @@
 """The architectures that have an adaptive twin, the plugin's own architectures, and the classes
 that implement them.
 
-Read by the model-registry entry of :mod:`vllm_adaptive.vllm_patches` (what to register), by the
-dispatchers in ``models/dispatch.py`` and by the admission check that refuses an adaptive config
-for any other architecture. Kept apart from ``models/`` (which imports every mechanism) so the
-registry and the checks can read it without importing the model classes.
+Read by the model-registry entry of :mod:`vllm_adaptive.engine.intrusions` (what to register),
+by the dispatchers in ``models/dispatch.py`` and by the admission check that refuses an adaptive
+config for any other architecture. Kept apart from ``models/`` (which imports every mechanism)
+so the registry and the checks can read it without importing the model classes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Per-request adaptive keys (``adaptive_*``) and their validation, with no vLLM or torch.
 
 One schema for every serving path: the vLLM plugin reads them from ``SamplingParams.extra_args``
-(``vllm_adaptive/request_overrides.py`` turns errors into vLLM's HTTP 400), the MLX server from
-the request body (``vllm_adaptive/metal_backend/server.py``). Keys are flat, ``adaptive_<field>``,
-because vLLM's ``vllm_xargs`` only carries strings, numbers and lists.
+(``vllm_adaptive/engine/request_validator.py`` turns errors into vLLM's HTTP 400), the MLX
+server from the request body (``vllm_adaptive/metal_backend/server.py``). Keys are flat,
+``adaptive_<field>``, because vLLM's ``vllm_xargs`` only carries strings, numbers and lists.
 """
 
 from __future__ import annotations

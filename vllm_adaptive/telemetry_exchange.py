@@ -1,8 +1,8 @@
 """File-based telemetry exchange between vLLM's worker processes and its frontend.
 
 The adaptive runtimes run inside vLLM's worker process; the Prometheus
-exporter (:mod:`vllm_adaptive.metrics`) and the HTTP route
-(:mod:`vllm_adaptive.routes`) run in the frontend (API server). They meet in
+exporter (:mod:`vllm_adaptive.engine.metrics`) and the HTTP route
+(:mod:`vllm_adaptive.engine.routes`) run in the frontend (API server). They meet in
 one directory, JSON only (no pickle: nothing read here can execute code):
 
 ``engine-<pid>.json``

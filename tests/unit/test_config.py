@@ -16,7 +16,7 @@ from vllm_adaptive.config import (
     load_config_arg,
     parse_adaptive_config,
 )
-from vllm_adaptive.request_overrides import AdaptiveRequestValidator, parse_request_overrides
+from vllm_adaptive.engine.request_validator import AdaptiveRequestValidator, parse_request_overrides
 
 
 def test_empty_config_means_everything_off() -> None:
@@ -84,7 +84,7 @@ def test_validator_hook_rejects_bad_params() -> None:
 def test_register_is_idempotent() -> None:
     from vllm import ModelRegistry
 
-    from vllm_adaptive.plugin import register
+    from vllm_adaptive.engine.plugin import register
 
     register()
     first = {k: ModelRegistry.models[k] for k in ("LlamaForCausalLM", "AdaptiveLlamaForCausalLM")}
@@ -99,7 +99,7 @@ def test_entry_points_declared() -> None:
     from importlib.metadata import entry_points
 
     general = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert general.get("vllm_adaptive") == "vllm_adaptive.plugin:register"
+    assert general.get("vllm_adaptive") == "vllm_adaptive.engine.plugin:register"
     procs = {e.name: e.value for e in entry_points(group="vllm.logits_processors")}
     assert procs.get("vllm_adaptive_request_validator", "").endswith(":AdaptiveRequestValidator")
 
@@ -107,7 +107,7 @@ def test_entry_points_declared() -> None:
 def test_unsupported_architecture_refused() -> None:
     from types import SimpleNamespace
 
-    from vllm_adaptive.request_overrides import check_architecture_supported
+    from vllm_adaptive.engine.request_validator import check_architecture_supported
 
     def cfg(archs, additional):
         return SimpleNamespace(

@@ -1,17 +1,24 @@
 """The package's import graph, read from source with `ast` (nothing is imported).
 
-Two rules (issue 16, item 4):
+Four rules (issue 16, items 2 and 4):
 
 1. No import cycles, between modules or between subpackages (``vllm_adaptive.depth``,
    ``vllm_adaptive.m2r2``, ...; a top-level module is its own unit).
 2. Offline code (calibration, adapter training, corpora, model preparation, the artifact
-   format) imports no vLLM and nothing of ``vllm_adaptive.bench``, directly or through other
-   package modules. Offline code runs in transformers on machines without vLLM's engine and
-   shares nothing with the engine but ``vllm_adaptive.artifacts``.
+   format) imports no vLLM, nothing of ``vllm_adaptive.bench`` and nothing of the engine glue
+   (``vllm_adaptive.engine``, which hands out vLLM's names), directly or through other package
+   modules. Offline code runs in transformers on machines without vLLM's engine and shares
+   nothing with the engine but ``vllm_adaptive.artifacts``.
+3. Only modules under ``vllm_adaptive.engine`` import vLLM; the rest of the package gets vLLM's
+   names from ``vllm_adaptive.engine.vllm_api``.
+4. ``vllm_adaptive.engine`` imports none of the mechanism, model or bench packages, directly or
+   through other package modules: it is the bottom layer, next to vLLM (where vLLM needs a
+   plugin class, the glue gives it a ``module:Class`` path).
 
-Every import counts, wherever it is written (module level or inside a function); only imports
-under ``if TYPE_CHECKING:`` are left out, since they never run. Importing a module also runs
-its parent packages' ``__init__``, so those count for rule 2.
+Every import counts, wherever it is written (module level or inside a function), and so does
+``importlib.import_module`` / ``__import__`` of a literal name; only imports under
+``if TYPE_CHECKING:`` are left out, since they never run. Importing a module also runs its
+parent packages' ``__init__``, so those count for rules 2 and 4.
 """
 
 from __future__ import annotations
@@ -63,7 +70,27 @@ OFFLINE = (
     # the logit-lens oracle (transformers only)
     "vllm_adaptive.oracle",
 )
-FORBIDDEN_OFFLINE = ("vllm", "vllm_adaptive.bench")
+#: Package modules offline code must not reach (besides vLLM itself).
+FORBIDDEN_OFFLINE = ("vllm_adaptive.bench", "vllm_adaptive.engine")
+
+#: The engine glue (rule 3: the only importer of vLLM) and what it must not reach (rule 4).
+ENGINE = "vllm_adaptive.engine"
+ABOVE_ENGINE = tuple(
+    f"vllm_adaptive.{name}"
+    for name in (
+        "attention",
+        "bench",
+        "cli",
+        "depth",
+        "kernels",
+        "m2r2",
+        "metal_backend",
+        "models",
+        "moe",
+        "precision",
+        "speculative",
+    )
+)
 
 
 @dataclass
@@ -86,8 +113,20 @@ def _type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The literal module name of ``importlib.import_module("x")`` / ``__import__("x")``."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = ast.unparse(node.func)
+    arg = node.args[0]
+    if func.rpartition(".")[2] in ("import_module", "__import__") and isinstance(arg, ast.Constant):
+        return arg.value if isinstance(arg.value, str) else None
+    return None
+
+
 def _imports(tree: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except those under ``if TYPE_CHECKING:``."""
+    """Every import, at any depth, except those under ``if TYPE_CHECKING:``; an import of a
+    literal name through ``importlib.import_module`` / ``__import__`` as an ``import`` of it."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -97,6 +136,8 @@ def _imports(tree: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
                 continue
             if isinstance(child, ast.Import | ast.ImportFrom):
                 yield child
+            elif (name := _dynamic_import(child)) is not None:
+                yield ast.Import(names=[ast.alias(name=name)], lineno=child.lineno)
             stack.append(child)
 
 
@@ -185,8 +226,15 @@ def _describe(cycle: list[str], graph: ImportGraph, by_unit: bool) -> str:
     return " -> ".join(cycle) + "\n  " + "\n  ".join(steps)
 
 
-def offline_violations(graph: ImportGraph, module: str) -> list[str]:
-    """Import chains from ``module`` to something offline code must not import."""
+def _is_vllm(name: str) -> bool:
+    return name == "vllm" or name.startswith("vllm.")
+
+
+def reachable_violations(graph: ImportGraph, module: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Import chains from ``module`` to a package module under one of ``forbidden`` or, when
+    ``forbidden`` names ``"vllm"``, to an import of vLLM (parent packages' ``__init__``
+    count: importing a module runs them)."""
+    internal = tuple(f for f in forbidden if f != "vllm")
     seen: dict[str, list[str]] = {}
     todo = [(module, [module])]
     while todo:
@@ -194,20 +242,39 @@ def offline_violations(graph: ImportGraph, module: str) -> list[str]:
         if mod in seen:
             continue
         seen[mod] = chain
+        if internal and mod.startswith(internal):
+            continue  # reported; what it imports in turn is its own business
         parents = [".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)]
         for target in [*graph.internal.get(mod, {}), *parents]:
             todo.append((target, [*chain, target]))
     out = []
     for mod, chain in sorted(seen.items()):
-        hits = [mod] if mod.startswith(FORBIDDEN_OFFLINE[1]) else []
-        hits += [
-            f"{name} (line {line})"
-            for name, line in graph.external.get(mod, {}).items()
-            if name == "vllm" or name.startswith("vllm.")
-        ]
+        hits = [mod] if internal and mod.startswith(internal) else []
+        if "vllm" in forbidden:
+            hits += [
+                f"{name} (line {line})"
+                for name, line in graph.external.get(mod, {}).items()
+                if _is_vllm(name)
+            ]
         for hit in hits:
             out.append(" -> ".join([*chain[:-1], f"{chain[-1]}: {hit}"]))
     return out
+
+
+def offline_violations(graph: ImportGraph, module: str) -> list[str]:
+    """Import chains from ``module`` to something offline code must not import."""
+    return reachable_violations(graph, module, ("vllm", *FORBIDDEN_OFFLINE))
+
+
+def vllm_importers_outside(graph: ImportGraph, engine: str) -> list[str]:
+    """``module:line imports vllm.x`` for every vLLM import outside the package ``engine``."""
+    return [
+        f"{mod}:{line} imports {name}"
+        for mod, names in sorted(graph.external.items())
+        if mod != engine and not mod.startswith(engine + ".")
+        for name, line in sorted(names.items(), key=lambda kv: kv[1])
+        if _is_vllm(name)
+    ]
 
 
 GRAPH = build_graph()
@@ -235,7 +302,25 @@ def test_offline_modules_exist():
 
 def test_offline_code_imports_no_vllm_and_no_bench():
     bad = [v for m in OFFLINE for v in offline_violations(GRAPH, m)]
-    assert not bad, "offline code reaches vLLM or the bench:\n" + "\n".join(bad)
+    assert not bad, "offline code reaches vLLM, the bench or the engine glue:\n" + "\n".join(bad)
+
+
+def test_only_the_engine_glue_imports_vllm():
+    bad = vllm_importers_outside(GRAPH, ENGINE)
+    assert not bad, (
+        "only vllm_adaptive.engine imports vLLM; take the name from "
+        "vllm_adaptive.engine.vllm_api (add it to its NAMES if it is new):\n  " + "\n  ".join(bad)
+    )
+
+
+def test_engine_glue_imports_no_mechanism_model_or_bench():
+    engine = [m for m in GRAPH.modules if m == ENGINE or m.startswith(ENGINE + ".")]
+    assert len(engine) > 1, f"no modules under {ENGINE}"
+    bad = [v for m in engine for v in reachable_violations(GRAPH, m, ABOVE_ENGINE)]
+    assert not bad, (
+        "the engine glue reaches a mechanism, model or bench module (give vLLM a "
+        "'module:Class' path instead of importing it):\n" + "\n".join(bad)
+    )
 
 
 # -- the checker itself, on a made-up package -------------------------------------------------
@@ -286,3 +371,33 @@ def test_checker_follows_offline_chains_through_parents(tmp_path):
     assert offline_violations(graph, "pkg.clean") == [
         "pkg.clean -> pkg.mid.leaf -> pkg.mid: vllm (line 1)"
     ]
+
+
+def test_checker_finds_vllm_outside_the_glue_and_glue_reaching_up(tmp_path):
+    root = _fake_package(
+        tmp_path,
+        {
+            "engine/__init__.py": "",
+            "engine/api.py": "import vllm.config\n",
+            "engine/glue.py": "from pkg.cfg import X\n",
+            "cfg.py": "def f():\n    import pkg.depth.runtime\n",
+            "depth/__init__.py": "",
+            "depth/runtime.py": (
+                "import importlib\n"
+                "from pkg.engine import api\n"
+                "def g():\n"
+                "    importlib.import_module('vllm.forward_context')\n"
+                "    __import__('vllm')\n"
+            ),
+            "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm\n",
+        },
+    )
+    graph = build_graph(root)
+    assert vllm_importers_outside(graph, "pkg.engine") == [
+        "pkg.depth.runtime:4 imports vllm.forward_context",
+        "pkg.depth.runtime:5 imports vllm",
+    ]
+    assert reachable_violations(graph, "pkg.engine.glue", ("pkg.depth",)) == [
+        "pkg.engine.glue -> pkg.cfg -> pkg.depth.runtime: pkg.depth.runtime"
+    ]
+    assert reachable_violations(graph, "pkg.engine.api", ("pkg.depth",)) == []

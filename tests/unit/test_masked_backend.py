@@ -33,14 +33,11 @@ from vllm.v1.attention.backends.registry import (  # noqa: E402
 
 from vllm_adaptive.attention import masked_backend as mb  # noqa: E402
 from vllm_adaptive.attention.masked_backend import (  # noqa: E402
-    MASKED_BACKEND_PATH,
     MaskedAttentionUnsupported,
     MaskedCPUAttentionBackend,
     MaskedCPUAttentionImpl,
     layer_index_from_name,
     masked_backend_active,
-    register_masked_backend,
-    unregister_masked_backend,
 )
 from vllm_adaptive.depth.mask_context import (  # noqa: E402
     StepMask,
@@ -48,6 +45,12 @@ from vllm_adaptive.depth.mask_context import (  # noqa: E402
     mask_stats,
     publish_mask,
     reset_mask_stats,
+)
+from vllm_adaptive.engine import intrusions  # noqa: E402
+from vllm_adaptive.engine.intrusions import (  # noqa: E402
+    MASKED_BACKEND_PATH,
+    register_masked_backend,
+    unregister_masked_backend,
 )
 from vllm_adaptive.kernels.masked_paged_attention import (  # noqa: E402
     logical_kv,
@@ -82,7 +85,7 @@ def _restore_registry(saved: str | None) -> None:
     cpu.clear_override()
     if saved is not None:
         _ATTN_OVERRIDES[cpu] = saved
-    mb._clear_selector_cache()
+    intrusions._clear_selector_cache()
 
 
 @pytest.fixture
@@ -403,7 +406,7 @@ def test_unsupported_layers_are_refused_at_construction(kwargs, words):
 def test_amx_and_neon_isas_are_refused(env, monkeypatch):
     with set_current_vllm_config(_vllm_config()):
         for isa in ("amx", "neon"):
-            monkeypatch.setattr(mb, "_get_attn_isa", lambda *a, isa=isa, **k: isa)
+            monkeypatch.setattr(mb, "cpu_attn_isa", lambda *a, isa=isa, **k: isa)
             with pytest.raises(MaskedAttentionUnsupported, match=f"ISA '{isa}'"):
                 MaskedCPUAttentionImpl(H, D, SCALE, KVH, None, None, "auto")
         monkeypatch.undo()

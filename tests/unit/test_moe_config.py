@@ -65,7 +65,7 @@ def _vllm_config(archs, additional):
 
 
 def test_moe_section_refused_for_a_model_that_is_not_moefied() -> None:
-    from vllm_adaptive.request_overrides import check_architecture_supported
+    from vllm_adaptive.engine.request_validator import check_architecture_supported
 
     check_architecture_supported(_vllm_config(["MoefiedLlamaForCausalLM"], {"adaptive": {}}))
     check_architecture_supported(

@@ -7,7 +7,7 @@ import pytest
 from vllm.exceptions import VLLMValidationError
 
 from vllm_adaptive.config import parse_adaptive_config
-from vllm_adaptive.request_overrides import ENGINE_UNKNOWN, validate_overrides
+from vllm_adaptive.engine.request_validator import ENGINE_UNKNOWN, validate_overrides
 
 GEARBX = {"precision": {"policy": "gearbx"}}
 DEPTH = {"depth": {"profile": "/p"}}
@@ -89,7 +89,7 @@ def test_vllm_patches_keep_json_booleans_of_adaptive_keys_only() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_adaptive.vllm_patches import apply_at_register
+    from vllm_adaptive.engine.intrusions import apply_at_register
 
     applied = apply_at_register()
     assert applied == apply_at_register()  # once per process

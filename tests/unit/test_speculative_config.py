@@ -98,13 +98,13 @@ def test_proposer_without_settings_is_refused() -> None:
 
 def test_requests_sent_with_mode_off_do_not_draft() -> None:
     """The proposer reads each row's request from the runner that loaded it, which hands
-    itself over after loading (vllm_patches entry drafter-runner)."""
+    itself over after loading (intrusions entry drafter-runner)."""
     from types import SimpleNamespace
 
     from vllm import SamplingParams
 
+    from vllm_adaptive.engine.intrusions import attach_drafter_after
     from vllm_adaptive.speculative.requests import DraftingRequests
-    from vllm_adaptive.vllm_patches import attach_drafter_after
 
     def state(**extra) -> SimpleNamespace:
         return SimpleNamespace(sampling_params=SamplingParams(extra_args=extra or None))

@@ -164,7 +164,7 @@ def test_stats_dir_created_once_and_inherited(tmp_path: Path) -> None:
     """The plugin's register() creates the dir in the parent; children inherit it."""
     script = """
 import json, os, subprocess, sys
-from vllm_adaptive.plugin import register
+from vllm_adaptive.engine.plugin import register
 register()
 register()  # vLLM may call it twice in one process
 from vllm_adaptive.telemetry_exchange import stats_dir, write_engine_stats, read_engine_stats
@@ -197,7 +197,7 @@ print(json.dumps({"dir": d, "child": child_dir, "read": read, "after": read_engi
     named = tmp_path / "named"
     env[STATS_DIR_ENV] = str(named)
     subprocess.run(
-        [sys.executable, "-c", "from vllm_adaptive.plugin import register; register()"],
+        [sys.executable, "-c", "from vllm_adaptive.engine.plugin import register; register()"],
         env=env,
         check=True,
     )
@@ -217,7 +217,7 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
 
 
 def test_collector_exports_file_totals(tmp_path: Path, live_pids) -> None:
-    from vllm_adaptive.metrics import COUNTERS, AdaptiveTelemetryCollector
+    from vllm_adaptive.engine.metrics import COUNTERS, AdaptiveTelemetryCollector
 
     other = {
         "decode_tokens": 10,
@@ -270,7 +270,7 @@ def test_collector_exports_file_totals(tmp_path: Path, live_pids) -> None:
 
 
 def test_collector_empty_dir_and_reader_errors(tmp_path: Path) -> None:
-    from vllm_adaptive.metrics import COUNTERS, AdaptiveTelemetryCollector
+    from vllm_adaptive.engine.metrics import COUNTERS, AdaptiveTelemetryCollector
 
     registry = CollectorRegistry()
     registry.register(AdaptiveTelemetryCollector(reader=lambda: read_engine_stats(tmp_path)))
@@ -292,7 +292,7 @@ def test_stat_logger_record_refreshes_and_double_registration_is_safe(
 ) -> None:
     from prometheus_client import REGISTRY
 
-    from vllm_adaptive import metrics
+    from vllm_adaptive.engine import metrics
 
     monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))
     loggers = [metrics.AdaptiveStatLogger(None, [0]) for _ in range(3)]  # three engines
@@ -310,7 +310,7 @@ def test_stat_logger_record_refreshes_and_double_registration_is_safe(
 
 
 def test_collector_exports_moe_totals(tmp_path: Path) -> None:
-    from vllm_adaptive.metrics import AdaptiveTelemetryCollector
+    from vllm_adaptive.engine.metrics import AdaptiveTelemetryCollector
 
     moe = {
         "mechanism": "moe",

@@ -24,8 +24,9 @@ soft-capping, sinks, fp8 KV cache, KV sharing, encoder or cross attention), and 
 ``vec16`` CPU ISAs whose K layout the torch kernel reads; anything else is refused when the impl
 is built (or, for the ISA, which the metadata builder assigns later, at the first masked call).
 
-Registration (:func:`register_masked_backend`) overrides the *class path* of
-``AttentionBackendEnum.CPU_ATTN`` in vLLM's backend registry: on the CPU platform
+Registration (the ``masked-attention-backend`` entry of :mod:`vllm_adaptive.engine.intrusions`,
+by this module's class path, so the engine glue imports no mechanism) overrides the *class path*
+of ``AttentionBackendEnum.CPU_ATTN`` in vLLM's backend registry: on the CPU platform
 ``CpuPlatform.get_attn_backend_cls`` always answers ``AttentionBackendEnum.CPU_ATTN.get_path()``
 (it ignores any other selection), and ``get_path`` honours registry overrides. The backend keeps
 the name ``CPU_ATTN`` (``Attention`` looks its name up in ``AttentionBackendEnum``; name-based
@@ -38,20 +39,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    _get_attn_isa,
-)
 
 from vllm_adaptive.depth.mask_context import STATS, current_mask
+from vllm_adaptive.engine.vllm_api import (
+    AttentionType,
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    cpu_attn_isa,
+)
 from vllm_adaptive.kernels.masked_paged_attention import (
     masked_paged_attention,
     split_cpu_kv_cache,
 )
 
-MASKED_BACKEND_PATH = "vllm_adaptive.attention.masked_backend.MaskedCPUAttentionBackend"
 # CPU_ATTN ISAs whose K/V layout the torch masked kernel reads (K transposed per block and head)
 SUPPORTED_ISAS = ("vec", "vec16")
 
@@ -63,7 +63,7 @@ class MaskedAttentionUnsupported(ValueError):
 def layer_index_from_name(layer_name: str) -> int:
     """Decoder layer index of an attention layer name, e.g. ``model.layers.12.self_attn.attn``
     -> 12 (vLLM's ``extract_layer_index``: the name must hold exactly one integer)."""
-    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm_adaptive.engine.vllm_api import extract_layer_index
 
     if not isinstance(layer_name, str) or not layer_name:
         raise MaskedAttentionUnsupported(
@@ -82,14 +82,14 @@ def layer_index_from_name(layer_name: str) -> int:
 def _predicted_isa(head_size: int, kv_cache_dtype: str) -> str | None:
     """The ISA vLLM's CPU metadata builder will pick for this layer, from the current config
     (the builder computes it from the model dtype, block size, head size and cache dtype)."""
-    from vllm.config import get_current_vllm_config_or_none
+    from vllm_adaptive.engine.vllm_api import get_current_vllm_config_or_none
 
     cfg = get_current_vllm_config_or_none()
     model_config = getattr(cfg, "model_config", None)
     dtype = getattr(model_config, "dtype", None) or torch.get_default_dtype()
     block_size = getattr(getattr(cfg, "cache_config", None), "block_size", None) or 32
     try:
-        return _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+        return cpu_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
     except NotImplementedError:
         return None
 
@@ -246,61 +246,16 @@ class MaskedCPUAttentionBackend(CPUAttentionBackend):
         return MaskedCPUAttentionImpl
 
 
-def _clear_selector_cache() -> None:
-    """``vllm.v1.attention.selector._cached_get_attn_backend`` is ``functools.cache``d on the
-    selection (not on the registry), so a layer built after an override change would otherwise
-    get the class resolved before it."""
-    from vllm.v1.attention import selector
-
-    selector._cached_get_attn_backend.cache_clear()
-
-
-def register_masked_backend() -> bool:
-    """Make vLLM build CPU_ATTN layers with the masked impl (in this process). Call before the
-    model's attention layers are built. Idempotent: returns True when it changed the registry,
-    False when the masked backend was already registered. Refuses to replace another override
-    of CPU_ATTN."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    cpu = AttentionBackendEnum.CPU_ATTN
-    if cpu.get_path() == MASKED_BACKEND_PATH:
-        return False
-    if cpu.is_overridden():
-        raise RuntimeError(
-            f"CPU_ATTN is already overridden with {cpu.get_path()!r}; the KV mask would replace "
-            "it (unregister that backend first)"
-        )
-    register_backend(cpu, MASKED_BACKEND_PATH)
-    _clear_selector_cache()
-    return True
-
-
-def unregister_masked_backend() -> bool:
-    """Undo :func:`register_masked_backend` (layers already built keep their impl). Returns
-    True when the masked backend was registered."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    cpu = AttentionBackendEnum.CPU_ATTN
-    if cpu.get_path() != MASKED_BACKEND_PATH:
-        return False
-    cpu.clear_override()
-    _clear_selector_cache()
-    return True
-
-
 def masked_backend_active(attn_layer: Any) -> bool:
     """Whether the attention layer (vLLM ``Attention``) really runs the masked impl."""
     return isinstance(getattr(attn_layer, "impl", None), MaskedCPUAttentionImpl)
 
 
 __all__ = [
-    "MASKED_BACKEND_PATH",
     "SUPPORTED_ISAS",
     "MaskedAttentionUnsupported",
     "MaskedCPUAttentionBackend",
     "MaskedCPUAttentionImpl",
     "layer_index_from_name",
     "masked_backend_active",
-    "register_masked_backend",
-    "unregister_masked_backend",
 ]

@@ -24,7 +24,7 @@ def _log(msg: str) -> None:
 
 
 def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list[Any]:
-    from vllm.inputs import TokensPrompt
+    from vllm_adaptive.engine.vllm_api import TokensPrompt
 
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
@@ -35,9 +35,8 @@ def timed_generate(
     """Greedy ``n`` tokens for every prompt of ``batch`` (``ignore_eos``), prefix cache reset
     first so that no call reuses another's prefill: (wall seconds, CPU seconds of each engine
     process in ``pids`` over the call, output token ids)."""
-    from vllm import SamplingParams
-
     from vllm_adaptive.bench.cputime import cpu_delta, cpu_snapshot
+    from vllm_adaptive.engine.vllm_api import SamplingParams
 
     llm.reset_prefix_cache()
     params = [
@@ -148,7 +147,7 @@ def describe_measurement(b: int, m: dict[str, Any]) -> str:
 
 def greedy_outputs(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy tokens of every prompt in one batch (speculation must not change them)."""
-    from vllm import SamplingParams
+    from vllm_adaptive.engine.vllm_api import SamplingParams
 
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -171,9 +170,8 @@ def speculation_metrics(llm: Any) -> dict[str, Any]:
 
 def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dict[str, Any]:
     """Teacher-forced logprobs and greedy tokens for every held-out stream, one batch."""
-    from vllm import SamplingParams
-
     from vllm_adaptive.bench.teacher_forcing import FORCE_KEY, read_forced_output
+    from vllm_adaptive.engine.vllm_api import SamplingParams
 
     llm.reset_prefix_cache()
     prompts = [s["prefix"] for s in streams]
@@ -214,9 +212,8 @@ def measure_teacher_forced(llm: Any, streams: list[dict[str, list[int]]]) -> dic
 
 def start_engine(spec: dict[str, Any]) -> tuple[Any, float]:
     """The engine ``spec`` describes (teacher forcing installed when asked): (LLM, start s)."""
-    from vllm import LLM
-
     from vllm_adaptive.bench.teacher_forcing import TeacherForcingLogitsProcessor
+    from vllm_adaptive.engine.vllm_api import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_cache_gib"]))
     # gear telemetry is read with LLM.apply_model (an importable function, pickled by reference)

@@ -60,8 +60,7 @@ def corpus_prompts(tok, path: str, count: int, length: int) -> list[list[int]]:
 
 def _run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, Any]:
     """Generate greedily, ``batch`` prompts at a time; wall time and the tokens."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm_adaptive.engine.vllm_api import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens: list[list[int]] = []
@@ -93,7 +92,7 @@ def _warm_up(llm, workloads: dict, batches: list[int], max_tokens: int) -> None:
 def _engine(model: str, top_k: int, moe: dict | None, kv_cache_gib: int):
     import os
 
-    from vllm import LLM
+    from vllm_adaptive.engine.vllm_api import LLM
 
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # the CPU backend's KV cache size
     # apply_model sends the bench's functions (moe_stats, set_moe_*) to the engine's worker

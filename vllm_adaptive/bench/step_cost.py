@@ -38,9 +38,8 @@ def measure(
     ``compiled``: vLLM's default torch.compile, a few minutes to compile here)."""
     os.environ["VLLM_PLUGINS"] = ""  # stock vLLM: the step cost of the model itself
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
     from vllm_adaptive.bench.engine_run import measure_throughput
+    from vllm_adaptive.engine.vllm_api import LLM
 
     llm = LLM(model=model, dtype=dtype, enforce_eager=not compiled, seed=0, max_model_len=512)
     prompts = [[(17 * i + 31 * j) % 20000 + 100 for j in range(32)] for i in range(max_m)]

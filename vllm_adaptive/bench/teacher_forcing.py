@@ -14,11 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm import SamplingParams
-from vllm.exceptions import VLLMValidationError
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from vllm_adaptive.bench.metrics import ForcedStream, greedy_agreement, perplexity
+from vllm_adaptive.engine.vllm_api import (
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+    SamplingParams,
+    VLLMValidationError,
+)
 
 __all__ = [
     "FORCE_KEY",

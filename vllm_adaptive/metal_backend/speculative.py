@@ -23,10 +23,10 @@ from typing import Any
 import mlx.core as mx
 
 from vllm_adaptive.config import SpeculativeConfig
+from vllm_adaptive.gears import BITS
 from vllm_adaptive.metal_backend.arch import LlamaLayout
 from vllm_adaptive.metal_backend.geared import GearedLinear, GearSwitch
 from vllm_adaptive.metal_backend.quant import QuantTier, check_group_size, quantize
-from vllm_adaptive.precision.gears import BITS
 
 DRAFT, FULL = 0, 1  # switch codes of the speculative engine's geared linears
 MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -17,10 +17,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig
-from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError
+from vllm_adaptive.engine.vllm_api import IntermediateTensors, VllmConfig
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
 from vllm_adaptive.precision.controller import PrecisionController

@@ -20,12 +20,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from vllm.logger import init_logger
-from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
-from vllm.model_executor.models.llama import LlamaForCausalLM
-
 from vllm_adaptive.architectures import ADAPTIVE_ARCHITECTURES
 from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.engine.vllm_api import Gemma3ForCausalLM, LlamaForCausalLM, init_logger
 
 logger = init_logger("vllm.adaptive.dispatch")  # under "vllm" so vLLM's log config shows it
 

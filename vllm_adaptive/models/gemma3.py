@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from torch import nn
-from vllm.config import VllmConfig
-from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.engine.vllm_api import Gemma3ForCausalLM, VllmConfig
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 from vllm_adaptive.models.llama import check_engine_compatible, llama_layer_parts

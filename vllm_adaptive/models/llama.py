@@ -16,15 +16,20 @@ from itertools import islice
 
 import torch
 from torch import nn
-from vllm.compilation.decorators import ignore_torch_compile
-from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group
-from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.depth.runtime import DepthRuntime
+from vllm_adaptive.engine.vllm_api import (
+    CUDAGraphMode,
+    IntermediateTensors,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    VllmConfig,
+    get_pp_group,
+    ignore_torch_compile,
+)
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 
@@ -70,9 +75,7 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
     if (
         vllm_config.device_config.device.type == "cuda"
         and cg_mode is not None
-        and cg_mode.has_mode(
-            __import__("vllm.config", fromlist=["CUDAGraphMode"]).CUDAGraphMode.FULL
-        )
+        and cg_mode.has_mode(CUDAGraphMode.FULL)
     ):
         raise AdaptiveConfigError(
             "adaptive.precision: full CUDA graphs freeze one gear into the graph; run with "
@@ -222,13 +225,13 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
         if adaptive.active_depth is not None and _needs_masked_attention(adaptive.active_depth):
-            from vllm_adaptive import vllm_patches
+            from vllm_adaptive.engine import intrusions
 
-            vllm_patches.apply("masked-attention-backend")  # before the layers pick a backend
+            intrusions.apply("masked-attention-backend")  # before the layers pick a backend
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self._init_adaptive(vllm_config, adaptive)
         if adaptive.active_depth is not None:
-            from vllm_adaptive.batch_mirror import register_listener
+            from vllm_adaptive.engine.batch_mirror import register_listener
 
             parts = self.adaptive_parts()
             self.depth = load_depth_runtime(

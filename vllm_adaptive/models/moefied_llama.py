@@ -28,13 +28,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from vllm.compilation.decorators import ignore_torch_compile
-from vllm.config import VllmConfig
-from vllm.logger import init_logger
-from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from vllm.sequence import IntermediateTensors
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.engine.vllm_api import (
+    IntermediateTensors,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    VllmConfig,
+    ignore_torch_compile,
+    init_logger,
+)
 from vllm_adaptive.models.base import HasAdaptiveParts, stack_parts
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 from vllm_adaptive.models.llama import llama_layer_parts

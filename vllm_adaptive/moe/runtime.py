@@ -234,7 +234,7 @@ class MoeRuntime:
         }
 
     def engine_stats(self) -> dict:
-        """The totals the metrics export (``vllm_adaptive.metrics``), JSON-able."""
+        """The totals the metrics export (``vllm_adaptive.engine.metrics``), JSON-able."""
         s = self.tier.stats
         return {
             "mechanism": "moe",

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_adaptive.batch_mirror import SlotMirror, listener, register_listener
+from vllm_adaptive.engine.batch_mirror import SlotMirror, listener, register_listener
+from vllm_adaptive.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.overrides import RequestOverrides
 from vllm_adaptive.precision.entropy import entropy_bits
-from vllm_adaptive.precision.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
 from vllm_adaptive.precision.telemetry import PrecisionTelemetry
 
@@ -325,7 +325,7 @@ class PrecisionController:
 
 
 def _query_start_loc() -> np.ndarray | None:
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm_adaptive.engine.vllm_api import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
         return None

@@ -16,8 +16,8 @@ same way (its tiers are copies: the embedding it may be tied to keeps its float 
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.layers.linear import LinearMethodBase
 
+from vllm_adaptive.engine.vllm_api import LinearMethodBase
 from vllm_adaptive.kernels.float_linear import W8A16Weight, nested_w8a8_w8a16
 from vllm_adaptive.kernels.weights import autotune_weight, linear
 from vllm_adaptive.precision.tiers import LinearTiers

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from vllm_adaptive.precision.gears import HIGH, LOW, MID
+from vllm_adaptive.gears import HIGH, LOW, MID
 
 MATH_SYMBOLS = frozenset("=+-*/^<>≤≥≠≈∑∏∫√∞πθλσμ∂∇%")
 CODE_KEYWORDS = frozenset(

@@ -106,7 +106,7 @@ class PrecisionTelemetry:
 def _is_first_rank() -> bool:
     """Readers sum the files of all engine processes: only one rank of an engine writes."""
     try:
-        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+        from vllm_adaptive.engine.vllm_api import get_pp_group, get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
     except Exception:  # no distributed state (a unit test): a single process

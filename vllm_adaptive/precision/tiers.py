@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_adaptive.gears import BITS
 from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight, W8A16Weight
 from vllm_adaptive.kernels.matmul import dispatch_paths, prepare
 from vllm_adaptive.kernels.matryoshka import MatryoshkaWeight, matryoshka_quantize
 from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
-from vllm_adaptive.precision.gears import BITS
 
 FLOAT_TIERS = (Fp16Weight, W8A8Weight, W8A16Weight)
 

@@ -102,7 +102,7 @@ class SharedKVDraftStep:
 
     def capture(self) -> None:
         """Called as the target model runs (a forward pre-hook): keep the step's metadata."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
+        from vllm_adaptive.engine.vllm_api import get_forward_context, is_forward_context_available
 
         self.md = None
         if not is_forward_context_available():
@@ -144,7 +144,7 @@ class SharedKVDraftStep:
     def one_token(self, rows: np.ndarray, positions: np.ndarray) -> Iterator[torch.Tensor]:
         """A forward context where every layer attends one query per row at ``positions``
         (writing its K/V to that position's slot); yields the positions tensor."""
-        from vllm.forward_context import set_forward_context
+        from vllm_adaptive.engine.vllm_api import set_forward_context
 
         md = self.md
         if self.sched_args is None:

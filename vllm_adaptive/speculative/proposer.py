@@ -48,7 +48,7 @@ def prompt_lookup_proposer(vllm_config: Any, settings: SpeculativeConfig) -> Any
     lengths (the engine's speculative method is ``custom_class``, which sets none)."""
     import copy
 
-    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    from vllm_adaptive.engine.vllm_api import NgramProposer
 
     lookup = settings.prompt_lookup
     config = copy.copy(vllm_config)
@@ -85,12 +85,12 @@ class SelfSpeculativeProposer:
             "seconds": 0.0,
             "lookup_rows": 0,
         }
-        from vllm_adaptive import vllm_patches
+        from vllm_adaptive.engine import intrusions
 
-        # random sampling with drafts is wrong on CPU without it (vllm_patches.expand_kernel)
-        vllm_patches.apply("cpu-expand-kernel")
+        # random sampling with drafts is wrong on CPU without it (intrusions.expand_kernel)
+        intrusions.apply("cpu-expand-kernel")
         # the runner that builds this proposer hands itself over once it has loaded the model
-        vllm_patches.apply("drafter-runner")
+        intrusions.apply("drafter-runner")
         if self.settings is None:
             logger.info("vllm-adaptive speculative: adaptive.mode is off, no drafts are proposed")
 
@@ -127,7 +127,7 @@ class SelfSpeculativeProposer:
 
     def attach_runner(self, runner: Any) -> None:
         """Called by vLLM's model runner once it has loaded the model and this proposer (entry
-        ``drafter-runner`` of :mod:`vllm_adaptive.vllm_patches`): per-request
+        ``drafter-runner`` of :mod:`vllm_adaptive.engine.intrusions`): per-request
         ``adaptive_mode: "off"`` needs to know which request is in which batch row, which the
         ``custom_class`` interface does not pass."""
         if self.settings is None:
@@ -151,7 +151,7 @@ class SelfSpeculativeProposer:
         if self.requests is None:
             raise RuntimeError(
                 "vllm-adaptive speculative: the model runner never attached itself to the "
-                "proposer (vllm_patches entry drafter-runner); this vLLM is not supported"
+                "proposer (intrusions entry drafter-runner); this vLLM is not supported"
             )
         on = self.requests.drafting(len(sampled_token_ids))
         sampled = [s if d else [] for s, d in zip(sampled_token_ids, on, strict=True)]

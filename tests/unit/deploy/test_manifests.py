@@ -200,7 +200,7 @@ def test_serve_config_wiring() -> None:
     assert set(llm["runtime_env"]["env_vars"]["VLLM_PLUGINS"].split(",")) <= _entry_points()
     parse_adaptive_config(llm["engine_kwargs"]["additional_config"]["adaptive"])
     module, _, cls = llm["callback_config"]["callback_class"].partition(":")
-    assert (module, cls) == ("vllm_adaptive.ray_serve", "ReplicaCpuBinding")
+    assert (module, cls) == ("vllm_adaptive.engine.ray_serve", "ReplicaCpuBinding")
     assert (REPO / (module.replace(".", "/") + ".py")).is_file()
 
 

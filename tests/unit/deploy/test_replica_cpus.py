@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray not installed (extra `ray`)")
 
-from vllm_adaptive.ray_serve import replica_cpus  # noqa: E402
+from vllm_adaptive.engine.ray_serve import replica_cpus  # noqa: E402
 
 
 def test_one_core_per_replica() -> None:

@@ -10,7 +10,7 @@ controller calls, for each request:
   the distribution the token was sampled from; the returned level is used for the request's next
   forward pass (GEARBX's "output entropy of step t picks the gear of step t+1").
 
-Levels are 0 (low), 1 (mid), 2 (high); see :mod:`vllm_adaptive.precision.gears`.
+Levels are 0 (low), 1 (mid), 2 (high); see :mod:`vllm_adaptive.gears`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_adaptive.precision.gears import HIGH
+from vllm_adaptive.gears import HIGH
 from vllm_adaptive.precision.policies.base import GearPolicy, RequestGearState
 
 

@@ -26,45 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from pydantic import Field
-
+from vllm_adaptive.config import GearbxSettings
+from vllm_adaptive.gears import HIGH, LOW, MID
 from vllm_adaptive.precision.calibration import percentile_thresholds
-from vllm_adaptive.precision.gears import HIGH, LOW, MID
 from vllm_adaptive.precision.policies.base import GearPolicy, RequestGearState
 from vllm_adaptive.precision.prompt_classifier import cold_start_level
-from vllm_adaptive.strict_model import StrictModel
-
-VOCAB_REF = 32768
-
-
-class GearbxSettings(StrictModel):
-    """GEARBX monitor settings; defaults are the paper's (PyTorch backend)."""
-
-    window: int = Field(5, ge=1, le=1024)
-    theta_low: float = Field(1.8, gt=0)
-    theta_high: float = Field(3.5, gt=0)
-    hysteresis: float = Field(0.1, ge=0)
-    min_gear_duration: int = Field(4, ge=1)
-    vocab_ref: int = Field(VOCAB_REF, ge=2)
-    catastrophic_fraction: float = Field(0.9, gt=0, le=1)
-    lookahead: int = Field(2, ge=0)
-    calibration: Literal["first_prefill", "none"] = "first_prefill"
-    """"first_prefill": thresholds from the entropies of the first prompt the engine sees (the
-    paper's "calibrate if uncalibrated"); "none": the vocabulary-scaled defaults."""
-    calibration_positions: int = Field(256, ge=5)
-    p_low: float = Field(0.30, gt=0, lt=1)
-    p_high: float = Field(0.60, gt=0, lt=1)
-    min_band: float = Field(0.2, ge=0)
-    cap_low: float | None = Field(0.06, gt=0)
-    cap_high: float | None = Field(0.12, gt=0)
-    cold_start: bool = True
-    prefill: Literal["high", "cold_start"] = "high"
-    """Level of the prompt's prefill, which also makes the first token. "high": the high gear
-    (full precision with the default gears), so the first token is the model's own; the
-    cold-start gear applies from the first decode step. "cold_start": the classifier's gear, as
-    the paper's generation loop (listing 2) shifts before prefilling."""
 
 
 @dataclass

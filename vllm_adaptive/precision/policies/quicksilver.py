@@ -18,18 +18,9 @@ paper, the second half of the layers; the first half runs the high tier).
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from vllm_adaptive.precision.gears import HIGH, LOW, MID
+from vllm_adaptive.config import QuickSilverSettings
+from vllm_adaptive.gears import HIGH, LOW, MID
 from vllm_adaptive.precision.policies.base import GearPolicy, RequestGearState
-from vllm_adaptive.strict_model import StrictModel
-
-
-class QuickSilverSettings(StrictModel):
-    tau_low: float = Field(0.3, ge=0, le=1)
-    tau_high: float = Field(0.6, ge=0, le=1)
-    history: int = Field(32, ge=2, le=4096)
-    min_history: int = Field(4, ge=2)
 
 
 class QuickSilverTiers(GearPolicy):

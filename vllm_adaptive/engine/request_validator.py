@@ -16,7 +16,7 @@ what was sent:
 
 vLLM's logits-processor hook `validate_params` (the validator class below) runs 1 and 2 at
 admission in every engine. It gets no engine config, so 3 and the timing (before a streaming
-response starts) come from the replacements in :mod:`vllm_adaptive.vllm_patches`. The
+response starts) come from the replacements in :mod:`vllm_adaptive.engine.intrusions`. The
 validator itself never changes logits. The keys and their syntax rules live in
 :mod:`vllm_adaptive.overrides` (no vLLM there: the MLX server uses them too).
 """
@@ -84,7 +84,7 @@ def validate_overrides(
 
 def engine_request_check(vllm_config: Any) -> Callable[[Any], None]:
     """The per-request check of one engine, knowing its adaptive config (see
-    :mod:`vllm_adaptive.vllm_patches`, which calls it where vLLM holds the engine's config)."""
+    :mod:`vllm_adaptive.engine.intrusions`, which calls it where vLLM holds the engine's config)."""
     from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
 
     try:
@@ -147,7 +147,7 @@ class AdaptiveRequestValidator(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         # The one hook vLLM calls before every forward with the persistent batch's changes:
         # controllers mirror them to keep per-request state per batch slot.
-        from vllm_adaptive.batch_mirror import listener, notify
+        from vllm_adaptive.engine.batch_mirror import listener, notify
 
         notify(batch_update)
         if not batch_update:
@@ -158,7 +158,7 @@ class AdaptiveRequestValidator(LogitsProcessor):
             for _, params, _, _ in batch_update.added:
                 extra = (params.extra_args or {}) if params is not None else {}
                 if key in extra:
-                    # Refused at admission by the engine-aware check (vllm_patches); reached
+                    # Refused at admission by the engine-aware check (intrusions); reached
                     # only where vLLM could not be patched: say what is ignored.
                     logger.warning(
                         "vllm-adaptive: %s=%r ignored: this engine has no adaptive.%s section",

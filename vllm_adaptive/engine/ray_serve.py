@@ -11,7 +11,7 @@ this process may use, chosen by the replica's rank on its node:
 .. code-block:: yaml
 
     callback_config:
-      callback_class: vllm_adaptive.ray_serve:ReplicaCpuBinding
+      callback_class: vllm_adaptive.engine.ray_serve:ReplicaCpuBinding
       callback_kwargs: {cpus_per_replica: 1}
 
 It only sets ``VLLM_CPU_OMP_THREADS_BIND`` (vLLM's own variable, read by

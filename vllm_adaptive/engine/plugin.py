@@ -7,7 +7,7 @@ it ensures (`$ADAPTIVE_STATS_DIR`) is inherited by all of them.
 
 It also applies the plugin's changes to vLLM that must be in place before vLLM builds its
 engines and its HTTP app (the model classes, the per-request checks): the entries of
-:mod:`vllm_adaptive.vllm_patches` applied at registration.
+:mod:`vllm_adaptive.engine.intrusions` applied at registration.
 """
 
 from __future__ import annotations
@@ -18,6 +18,6 @@ def register() -> None:
 
     ensure_stats_dir()
 
-    from vllm_adaptive.vllm_patches import apply_at_register
+    from vllm_adaptive.engine.intrusions import apply_at_register
 
     apply_at_register()

@@ -5,9 +5,12 @@ what it replaces, the vLLM versions it was written and checked against, and when
 :func:`apply` is the one way to apply one. It checks ``vllm.__version__`` (on another version
 an entry either stays off with a warning, ``other_versions="skip"``, or is applied with a
 warning when the plugin cannot work without it, ``"apply"``), applies it at most once per
-process (a second call is a no-op that says so), and logs what it replaced.
+process (a second call is a no-op that says so), and logs what it replaced. Like the rest of
+the engine glue it imports no mechanism: the classes it hands to vLLM (the model classes, the
+masked attention backend) go by their ``module:Class`` paths, which vLLM imports when it needs
+them.
 
-Applied by the general plugin (:func:`vllm_adaptive.plugin.register`, every vLLM process,
+Applied by the general plugin (:func:`vllm_adaptive.engine.plugin.register`, every vLLM process,
 before engines and the HTTP app are built), :func:`apply_at_register`:
 
 ``model-registry``
@@ -38,7 +41,8 @@ Applied where they must be, through :func:`apply`:
     attention layers pick their backend)
     The class path of ``AttentionBackendEnum.CPU_ATTN`` in vLLM's backend registry, and the
     selector's cache: CPU_ATTN layers get the depth-masked impl
-    (``attention/masked_backend.py``). Only in engines that ask for the mask.
+    (``attention/masked_backend.py``, registered by its class path). Only in engines that ask
+    for the mask.
 ``cpu-expand-kernel`` (construction of the plugin's proposer)
     vLLM's CPU fallback of the rejection sampler's ``expand_kernel`` in
     ``vllm.triton_utils.dispatcher``, which loses its output and leaves draft temperatures
@@ -51,7 +55,7 @@ Applied where they must be, through :func:`apply`:
     passes rows only). This replaced a walk up the call stack.
 
 Not in the registry, because vLLM or torch offers them as hooks: the entry points
-``vllm.logits_processors`` (``request_overrides.AdaptiveRequestValidator``: the admission check,
+``vllm.logits_processors`` (``request_validator.AdaptiveRequestValidator``: the admission check,
 and ``update_state`` as the per-step batch hook of ``batch_mirror``),
 ``vllm.stat_logger_plugins`` (``metrics.py``) and ``vllm.endpoint_plugins`` (``routes.py``); the
 ``custom_class`` speculative proposer; a torch forward pre-hook the proposer puts on the model it
@@ -69,6 +73,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from vllm_adaptive.engine import vllm_api
 
 logger = logging.getLogger("vllm.adaptive.patches")
 
@@ -106,9 +112,7 @@ _outcomes: dict[str, str] = {}
 
 
 def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
+    return vllm_api.version()
 
 
 def apply(name: str) -> bool:
@@ -211,7 +215,7 @@ def _patch_input_processor() -> bool:
 
     @functools.wraps(original)
     def build(self):
-        from vllm_adaptive.request_overrides import engine_request_check
+        from vllm_adaptive.engine.request_validator import engine_request_check
 
         base = original(self)
         check = engine_request_check(self.vllm_config)
@@ -257,7 +261,7 @@ def _patch_async_generate() -> bool:
 def keep_adaptive_booleans(value: Any, handler: Callable[[Any], Any]) -> Any:
     """Wrap validator of ``vllm_xargs``: vLLM's validation, then the ``adaptive_*`` keys that
     were JSON booleans get their boolean back (to be refused by name, not read as 0 / 1)."""
-    from vllm_adaptive.request_overrides import EXTRA_ARGS_PREFIX
+    from vllm_adaptive.engine.request_validator import EXTRA_ARGS_PREFIX
 
     out = handler(value)
     if isinstance(value, dict) and isinstance(out, dict):
@@ -296,10 +300,50 @@ def _patch_xargs_models() -> bool:
 # -- masked attention backend --------------------------------------------------------------------
 
 
-def _patch_attention_backend() -> bool:
-    from vllm_adaptive.attention.masked_backend import register_masked_backend
+#: The depth-masked CPU_ATTN backend, by path: vLLM imports it when a layer picks its backend.
+MASKED_BACKEND_PATH = "vllm_adaptive.attention.masked_backend.MaskedCPUAttentionBackend"
 
-    return register_masked_backend()
+
+def _clear_selector_cache() -> None:
+    """``vllm.v1.attention.selector._cached_get_attn_backend`` is ``functools.cache``d on the
+    selection (not on the registry), so a layer built after an override change would otherwise
+    get the class resolved before it."""
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+
+
+def register_masked_backend() -> bool:
+    """Make vLLM build CPU_ATTN layers with the masked impl (in this process). Call before the
+    model's attention layers are built (through ``apply("masked-attention-backend")``).
+    Idempotent: True when it changed the registry, False when the masked backend was already
+    registered. Refuses to replace another override of CPU_ATTN."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    cpu = AttentionBackendEnum.CPU_ATTN
+    if cpu.get_path() == MASKED_BACKEND_PATH:
+        return False
+    if cpu.is_overridden():
+        raise RuntimeError(
+            f"CPU_ATTN is already overridden with {cpu.get_path()!r}; the KV mask would replace "
+            "it (unregister that backend first)"
+        )
+    register_backend(cpu, MASKED_BACKEND_PATH)
+    _clear_selector_cache()
+    return True
+
+
+def unregister_masked_backend() -> bool:
+    """Undo :func:`register_masked_backend` (layers already built keep their impl; for tests).
+    True when the masked backend was registered."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cpu = AttentionBackendEnum.CPU_ATTN
+    if cpu.get_path() != MASKED_BACKEND_PATH:
+        return False
+    cpu.clear_override()
+    _clear_selector_cache()
+    return True
 
 
 # -- the rejection sampler's CPU expand_kernel ---------------------------------------------------
@@ -402,7 +446,7 @@ INTRUSIONS: dict[str, Intrusion] = {
             "masked-attention-backend",
             "AttentionBackendEnum.CPU_ATTN's class path",
             "model construction",
-            _patch_attention_backend,
+            register_masked_backend,
             other_versions="apply",
             required=True,
         ),

@@ -1,4 +1,4 @@
-"""The registry of intrusions into vLLM (`vllm_adaptive/vllm_patches.py`): each entry applied
+"""The registry of intrusions into vLLM (`vllm_adaptive/engine/intrusions.py`): each entry applied
 once per process, version-checked, logged; nothing else in the package changes vLLM's objects
 or walks the call stack."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_adaptive import vllm_patches
-from vllm_adaptive.vllm_patches import INTRUSIONS, Intrusion, apply, attach_drafter_after
+from vllm_adaptive.engine import intrusions
+from vllm_adaptive.engine.intrusions import INTRUSIONS, Intrusion, apply, attach_drafter_after
 
-PACKAGE = Path(vllm_patches.__file__).resolve().parent
+PACKAGE = Path(intrusions.__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -42,9 +42,9 @@ def fresh(monkeypatch):
             "broken-required", "vllm.thing_f", "late", patch("br", fail=True), required=True
         ),
     }
-    monkeypatch.setattr(vllm_patches, "INTRUSIONS", entries)
-    monkeypatch.setattr(vllm_patches, "_outcomes", {})
-    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(intrusions, "INTRUSIONS", entries)
+    monkeypatch.setattr(intrusions, "_outcomes", {})
+    monkeypatch.setattr(intrusions, "vllm_version", lambda: "0.32.0")
     return calls
 
 
@@ -58,12 +58,12 @@ def test_applied_once_and_logged(fresh, caplog):
 
 
 def test_register_applies_only_its_entries(fresh):
-    applied = vllm_patches.apply_at_register()
+    applied = intrusions.apply_at_register()
     assert "late" not in fresh and "broken-required" not in fresh
     assert applied == ["skip", "needed"]  # noop changed nothing, broken failed (logged)
-    assert vllm_patches._outcomes["noop"] == "unchanged"
-    assert vllm_patches._outcomes["broken"] == "failed"
-    assert vllm_patches.apply_at_register() == applied
+    assert intrusions._outcomes["noop"] == "unchanged"
+    assert intrusions._outcomes["broken"] == "failed"
+    assert intrusions.apply_at_register() == applied
 
 
 def test_required_entry_failing_raises(fresh):
@@ -74,7 +74,7 @@ def test_required_entry_failing_raises(fresh):
 
 
 def test_other_vllm_version(fresh, monkeypatch, caplog):
-    monkeypatch.setattr(vllm_patches, "vllm_version", lambda: "0.99.1")
+    monkeypatch.setattr(intrusions, "vllm_version", lambda: "0.99.1")
     with caplog.at_level(logging.WARNING, logger="vllm.adaptive.patches"):
         assert apply("skip") is False
         assert apply("needed") is True
@@ -96,7 +96,7 @@ def test_registry_entries_are_complete():
     for name, entry in INTRUSIONS.items():
         assert entry.name == name and entry.replaces and entry.versions
         assert entry.when in ("register", "model construction", "proposer construction")
-        assert name in (vllm_patches.__doc__ or ""), f"{name} is not described in the docstring"
+        assert name in (intrusions.__doc__ or ""), f"{name} is not described in the docstring"
 
 
 def test_drafter_runner_patches_both_runners_once(monkeypatch):
@@ -105,13 +105,13 @@ def test_drafter_runner_patches_both_runners_once(monkeypatch):
 
     monkeypatch.setattr(CPUModelRunner, "load_model", CPUModelRunner.__dict__["load_model"])
     monkeypatch.setattr(GPUModelRunner, "load_model", GPUModelRunner.__dict__["load_model"])
-    monkeypatch.setattr(vllm_patches, "_outcomes", {})
+    monkeypatch.setattr(intrusions, "_outcomes", {})
     original = CPUModelRunner.__dict__["load_model"]
     assert apply("drafter-runner") is True
     patched = CPUModelRunner.__dict__["load_model"]
     assert patched is not original and patched.__wrapped__ is original
-    assert vllm_patches._patched(GPUModelRunner.__dict__["load_model"])
-    monkeypatch.setattr(vllm_patches, "_outcomes", {})  # even without the registry's memory
+    assert intrusions._patched(GPUModelRunner.__dict__["load_model"])
+    monkeypatch.setattr(intrusions, "_outcomes", {})  # even without the registry's memory
     assert apply("drafter-runner") is False  # the marks say it is done
     assert CPUModelRunner.__dict__["load_model"] is patched
 
@@ -149,14 +149,11 @@ def _calls(tree: ast.AST) -> set[str]:
 
 
 def test_no_intrusion_outside_the_registry_and_no_stack_walks():
-    """vLLM's registries are changed only from vllm_patches.py (the masked backend's own
-    register/unregister pair is what its entry calls); nothing inspects the call stack."""
+    """vLLM's registries are changed only from engine/intrusions.py (the masked backend is
+    registered there by its class path); nothing inspects the call stack."""
     registry_calls = {"register_model", "register_backend", "register_kernels"}
     stack_walks = {"_getframe", "f_back", "f_locals", "currentframe", "inspect.stack"}
-    allowed = {
-        PACKAGE / "vllm_patches.py": registry_calls,
-        PACKAGE / "attention" / "masked_backend.py": {"register_backend"},
-    }
+    allowed = {PACKAGE / "engine" / "intrusions.py": registry_calls}
     found = []
     for path in PACKAGE.rglob("*.py"):
         names = _calls(ast.parse(path.read_text()))
@@ -166,7 +163,7 @@ def test_no_intrusion_outside_the_registry_and_no_stack_walks():
     direct = [
         str(p.relative_to(PACKAGE.parent))
         for p in PACKAGE.rglob("*.py")
-        if p.name not in ("vllm_patches.py", "masked_backend.py")
+        if p.name != "intrusions.py"
         and "register_masked_backend" in _calls(ast.parse(p.read_text()))
     ]
-    assert not direct, f"apply the masked backend through vllm_patches.apply: {direct}"
+    assert not direct, f"apply the masked backend through intrusions.apply: {direct}"

@@ -1,0 +1,22 @@
+"""The engine glue: the only package whose modules import vLLM.
+
+Everything here exists to plug the plugin into vLLM; the mechanisms (``depth/``,
+``precision/``, ``speculative/``, ``moe/``, ...), the models and the bench get vLLM's names only
+through :mod:`~vllm_adaptive.engine.vllm_api`, and this package imports none of them (where
+vLLM must be handed a plugin class, it gets its ``module:Class`` path). Both rules are checked
+by ``tests/unit/test_import_graph.py``.
+
+- ``plugin``: the ``vllm.general_plugins`` entry point (every vLLM process): applies the
+  intrusions vLLM needs before it builds engines and its HTTP app.
+- ``intrusions``: every change to vLLM's own objects, one registry entry each (what it
+  replaces, the vLLM versions it was written for, when it is applied), applied once and logged.
+- ``vllm_api``: every vLLM name the rest of the package uses, with the modules that use it.
+- ``request_validator``: the ``vllm.logits_processors`` entry point: per-request overrides
+  checked at admission (HTTP 400), and the per-step batch hook.
+- ``batch_mirror``: per-request state that follows vLLM's persistent batch (fed by that hook).
+- ``metrics``: the ``vllm.stat_logger_plugins`` entry point (``vllm_adaptive:*`` on /metrics).
+- ``routes``: the ``vllm.endpoint_plugins`` entry point (``GET /v1/adaptive/requests/{tag}``).
+- ``ray_serve``: the Ray Serve LLM callback that gives each replica's CPU worker its cores.
+
+Importing this package imports nothing of vLLM.
+"""
