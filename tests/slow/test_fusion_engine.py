@@ -14,6 +14,7 @@ and another chunk size (128) give the same continuation.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -80,14 +81,14 @@ def _stats(llm) -> dict:
 
 
 def test_a_nothing_fused_is_stock(llm, stock_f32: dict) -> None:
-    llm.apply_model(lambda m: set_fusion_taus(m, NOTHING))
+    llm.apply_model(partial(set_fusion_taus, taus=NOTHING))
     try:
         llm.reset_prefix_cache()
         before = _stats(llm)
         got = spec_mixed(llm)
         after = _stats(llm)
     finally:
-        llm.apply_model(lambda m: set_fusion_taus(m, TAUS))
+        llm.apply_model(partial(set_fusion_taus, taus=TAUS))
     assert after["rows"] > before["rows"]  # the mechanism planned fusing rows
     assert after["groups"] == before["groups"]  # and fused none
     assert got == stock_f32["spec_mixed"]
