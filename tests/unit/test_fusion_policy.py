@@ -146,3 +146,11 @@ def test_cut_pairs_never_fuse() -> None:
     assert g.starts.tolist() == [0, 3] and g.ends.tolist() == [2, 5]
     with pytest.raises(ValueError, match="cut must be"):
         fusion_groups(h, rule, cut=torch.zeros(3, dtype=torch.bool))
+
+
+def test_mass_must_have_one_entry_per_row() -> None:
+    """A mass indexed by original token instead of by current row (the reference forward did
+    this after a first fusion layer) is refused instead of silently misweighting."""
+    h = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="mass must be"):
+        fusion_groups(h, FusionRule(tau_fuse=1.0), mass=torch.ones(6))

@@ -217,6 +217,8 @@ def fusion_groups(
             raise ValueError('weighting="score" needs score [T]')
         alpha = score.float().cpu().clamp_min(1e-12)
     else:
+        if mass is not None and mass.shape != (t,):
+            raise ValueError(f"mass must be [{t}] (one per row), got {tuple(mass.shape)}")
         alpha = torch.ones(t) if mass is None else mass.float().cpu()
     for s, e in zip(starts, ends, strict=True):
         a = alpha[s : e + 1]
