@@ -38,8 +38,9 @@ pytestmark = pytest.mark.slow
 #: 85.8 / 100.5 / 124.2, docs/token-fusion.md; a little higher so that every prompt fuses)
 TAUS = {10: 100.0, 15: 112.0, 20: 135.0}
 NOTHING = {10: 1e-6, 15: 1e-6, 20: 1e-6}
-#: float32 engine against float32 plain torch: summation order differs, nothing else
-LOGPROB_TOL = 2e-3
+#: float32 engine against float32 plain torch: summation order differs, nothing else (unfused,
+#: the two agree to about 1e-5 on this prompt)
+LOGPROB_TOL = 1e-4
 
 PROSE = (
     "The lighthouse stood at the end of a long stone pier, and every evening the keeper climbed "
