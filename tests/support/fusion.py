@@ -51,6 +51,9 @@ def write_fusion_profile(
     return out
 
 
+_SAVED: dict[str, Any] = {}
+
+
 def _runtime(model: Any) -> Any:
     return model.depth
 
@@ -82,7 +85,7 @@ def stop_masking_fused_slots(model: Any) -> None:
     from vllm_adaptive.depth.mask_context import StepMask, current_mask, replace_mask
 
     cls = rt_mod.DepthRuntime
-    cls._saved_publish_positions = cls._publish_positions
+    _SAVED.setdefault("publish_positions", cls.__dict__["_publish_positions"])  # staticmethod
 
     def publish(pos: torch.Tensor) -> None:
         mask = current_mask()
@@ -96,4 +99,4 @@ def restore_masking_fused_slots(model: Any) -> None:
     from vllm_adaptive.depth import runtime as rt_mod
 
     cls = rt_mod.DepthRuntime
-    cls._publish_positions = cls._saved_publish_positions
+    cls._publish_positions = _SAVED.pop("publish_positions")
