@@ -124,15 +124,17 @@ def _plot(out: dict[str, Any], raw: dict[str, Any], args: argparse.Namespace) ->
         if not events:
             continue
         tag = next((e["tag"] for e in events if e["tag"].startswith("tp-b1-")), events[0]["tag"])
-        mine = [e for e in events if e["tag"] == tag]
+        # the timed runs repeat a prompt under one tag: each group once
+        seen = {(e["layer"], e["first"], e["last"]): e for e in events if e["tag"] == tag}
+        mine = list(seen.values())
         fusion = depth["engine"]["fusion"]
         plot_fusion_events(
             mine,
             int(length),
             depth["num_layers"],
             args.fusion_plot,
-            f"fusion events of one {length}-token prompt ({tag}): {len(mine)} groups; engine "
-            f"removed {fusion['removed_fraction']:.1%} of prompt token-layers",
+            f"fusion events of one {length}-token prompt ({tag}): {len(mine)} groups; over the "
+            f"engine's life {fusion['removed_fraction']:.1%} of fused rows' token-layers removed",
         )
         return True
     return False
