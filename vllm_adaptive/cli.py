@@ -47,6 +47,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from vllm_adaptive.bench.speculative import run_from_args as run_spec
 
         return run_spec(args)
+    if args.prefill_lens:
+        from vllm_adaptive.bench.prefill import run_from_args as run_prefill
+
+        return run_prefill(args)
     from vllm_adaptive.bench.harness import run_from_args
 
     return run_from_args(args)

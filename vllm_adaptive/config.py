@@ -408,19 +408,13 @@ class ExitRiverConfig(_Strict):
 
 
 class FusionConfig(_Strict):
-    """Contextual token fusion at prefill (QuickSilver 2.3; docs/token-fusion.md). The offline
-    half exists (``vllm-adaptive calibrate --fusion``, the reference forward); the engine
-    mechanism does not yet, so the config is refused at engine start with that message."""
+    """Contextual token fusion at prefill (QuickSilver 2.3; docs/token-fusion.md): adjacent
+    prompt rows whose residual streams are within the profile's ``tau_fuse`` merge at its
+    fusion layers (``depth/fusion_runtime.py``). Engine-wide: the prefix cache shares fused
+    blocks between requests, so there is no per-request fusion setting."""
 
     profile: str = Field(min_length=1)
     """Profile directory written by ``vllm-adaptive calibrate --fusion``."""
-
-
-FUSION_NOT_BUILT = (
-    '"fusion": contextual token fusion is not in the engine yet (issue 20: only its policy, '
-    "the plain-torch reference forward and `vllm-adaptive calibrate --fusion` exist; "
-    "docs/token-fusion.md has the design); remove adaptive.depth.fusion"
-)
 
 
 class DepthConfig(_Strict):
@@ -448,7 +442,7 @@ class DepthConfig(_Strict):
     river: ExitRiverConfig | None = None
     """Settings of the "river" KV strategy (default ``{}``)."""
     fusion: FusionConfig | None = None
-    """Contextual token fusion at prefill; needs kv_strategy "mask". Refused until built."""
+    """Contextual token fusion at prefill; needs kv_strategy "mask"."""
 
     @model_validator(mode="after")
     def _check_strategy(self) -> DepthConfig:
@@ -466,7 +460,6 @@ class DepthConfig(_Strict):
                     "fusion layer and later queries must leave them out there "
                     f'("{self.kv_strategy}" would read or cap on the missing layers)'
                 )
-            raise ValueError(FUSION_NOT_BUILT)
         return self
 
     @property

@@ -10,9 +10,13 @@ from pathlib import Path
 
 def test_bad_config_fails_engine_start(model_dir: Path, tmp_path: Path) -> None:
     """A real engine refuses to start and the log names both bad keys; in the same process
-    (one vLLM import for both), adaptive.depth.fusion (issue 20, no engine mechanism yet) is
-    refused with a message saying so."""
-    fusion = {"profile": str(tmp_path), "kv_strategy": "mask", "fusion": {"profile": str(tmp_path)}}
+    (one vLLM import for both), adaptive.depth.fusion with a KV strategy it cannot compose with
+    is refused with a message saying why."""
+    fusion = {
+        "profile": str(tmp_path),
+        "kv_strategy": "monotone",
+        "fusion": {"profile": str(tmp_path)},
+    }
     code = (
         "from vllm import LLM\n"
         "def start(adaptive):\n"
@@ -39,6 +43,4 @@ def test_bad_config_fails_engine_start(model_dir: Path, tmp_path: Path) -> None:
     assert out.count("REFUSED") == 2
     assert "adaptive.bogus: unknown key" in out
     assert "adaptive.mode: Input should be 'on' or 'off'" in out
-    assert (
-        'adaptive.depth: Value error, "fusion": contextual token fusion is not in the engine' in out
-    )
+    assert 'adaptive.depth: Value error, "fusion" needs kv_strategy "mask"' in out

@@ -121,10 +121,12 @@ def test_unsupported_architecture_refused() -> None:
         check_architecture_supported(cfg(["Qwen2ForCausalLM"], {"adaptive": {}}))
 
 
-def test_token_fusion_is_refused_until_the_engine_has_it() -> None:
+def test_token_fusion_needs_the_mask_strategy() -> None:
     depth = {"profile": "/p", "kv_strategy": "mask", "fusion": {"profile": "/f"}}
-    with pytest.raises(AdaptiveConfigError, match="adaptive.depth: .*not in the engine yet"):
-        parse_adaptive_config({"depth": depth})
+    assert parse_adaptive_config({"depth": depth}).depth.fusion.profile == "/f"
+    for other in ("monotone", "propagate", "recompute", "river"):
+        with pytest.raises(AdaptiveConfigError, match='needs kv_strategy "mask"'):
+            parse_adaptive_config({"depth": {**depth, "kv_strategy": other}})
     with pytest.raises(AdaptiveConfigError, match='needs kv_strategy "mask"'):
         parse_adaptive_config({"depth": {**depth, "kv_strategy": "monotone"}})
     with pytest.raises(AdaptiveConfigError, match="fusion.profile"):

@@ -133,3 +133,24 @@ def test_split_repeats_blocks_pairs_of_one_token() -> None:
     assert (g.starts.tolist(), g.ends.tolist()) == ([1], [3])
     with pytest.raises(ValueError, match="token_ids"):
         fusion_groups(h, FusionRule(tau_fuse=1.0, split_repeats=True))
+
+
+def test_cut_pairs_never_fuse() -> None:
+    """The engine cuts groups at KV-block boundaries: a cut pair splits a run, whatever the
+    distance."""
+    h = torch.zeros(6, 4)
+    rule = FusionRule(tau_fuse=1.0)
+    assert fusion_groups(h, rule).num_groups == 1  # one run of six identical rows
+    cut = torch.tensor([False, False, True, False, False])
+    g = fusion_groups(h, rule, cut=cut)
+    assert g.starts.tolist() == [0, 3] and g.ends.tolist() == [2, 5]
+    with pytest.raises(ValueError, match="cut must be"):
+        fusion_groups(h, rule, cut=torch.zeros(3, dtype=torch.bool))
+
+
+def test_mass_must_have_one_entry_per_row() -> None:
+    """A mass indexed by original token instead of by current row (the reference forward did
+    this after a first fusion layer) is refused instead of silently misweighting."""
+    h = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="mass must be"):
+        fusion_groups(h, FusionRule(tau_fuse=1.0), mass=torch.ones(6))

@@ -464,3 +464,34 @@ def test_cuda_kernel_time_against_torch_and_sdpa(capsys):
         print(f"\n32/8/128, {n} x {ctx}, bf16, ms: triton {t_tri:.4f}, torch {t_torch:.4f}, "
               f"dense SDPA (no paging, no mask) {t_sdpa:.4f}")  # fmt: skip
     assert t_tri > 0 and t_torch > 0 and t_sdpa > 0
+
+
+@pytest.mark.parametrize("layout", ["cpu", "nhd"])
+def test_query_positions_for_fused_rows(layout):
+    """Token fusion keeps a subset of a prompt's queries (the last one included): with their
+    positions given, each kept query sees keys up to its own position that the record says were
+    written at the layer, this step's keys included (the runtime's provisional record)."""
+    case = make_case(
+        11, layout=layout, query_lens=(1, 12, 5), ctx_lens=(40, 20, 70), mask_step_tokens=True
+    )
+    keep_local = {0: [0], 1: [0, 3, 4, 8, 11], 2: [1, 4]}
+    qsl = case.query_start_loc.tolist()
+    rows, pos, qsl_new = [], [], [0]
+    for r, s in enumerate(case.seq_lens.tolist()):
+        n = qsl[r + 1] - qsl[r]
+        ks = keep_local[r]
+        rows += [qsl[r] + k for k in ks]
+        pos += [s - n + k for k in ks]
+        case.visible[r] = case.visible[r][ks]
+        qsl_new.append(qsl_new[-1] + len(ks))
+    case.query = case.query[rows]
+    case.query_start_loc = torch.tensor(qsl_new, dtype=torch.int32)
+    qpos = torch.tensor(pos)
+    y = _run(case, mask_step_tokens=True, query_positions=qpos)
+    assert torch.isfinite(y).all()
+    assert rel_err(y, dense_reference(case)) < TOL[torch.float32]
+    # the positions matter: the contiguous reading of the same queries differs
+    contiguous = _run(case, mask_step_tokens=True)
+    assert not torch.allclose(contiguous, y, atol=1e-3)
+    with pytest.raises(ValueError, match="mask_step_tokens"):
+        _run(case, query_positions=qpos)

@@ -7,7 +7,9 @@ in :meth:`MaskedCPUAttentionImpl.forward`:
 
 - no mask published for the step (:func:`vllm_adaptive.depth.mask_context.current_mask` is None),
   or this layer below ``mask.all_visible_below``: vLLM's fused op (the parent's ``forward``);
-- otherwise :func:`masked_paged_attention` over the same paged cache, reading
+- otherwise (and whenever the mask carries ``query_positions``: token fusion left a request's
+  queries non-contiguous, which vLLM's op cannot express) :func:`masked_paged_attention` over
+  the same paged cache, reading
   ``query_start_loc``, ``seq_lens`` and ``block_table`` of the step's ``CPUAttentionMetadata``.
 
 Everything else is inherited: the metadata builder (so the depth runtime can keep slicing
@@ -189,7 +191,10 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
     ) -> torch.Tensor:
         mask = current_mask()
         layer_index = None if mask is None else self.layer_index(layer)
-        if attn_metadata is None or mask is None or layer_index < mask.all_visible_below:
+        plain = mask is None or (
+            layer_index < mask.all_visible_below and mask.query_positions is None
+        )
+        if attn_metadata is None or plain:
             if attn_metadata is not None:
                 if mask is None:
                     STATS.unmasked += 1
@@ -227,6 +232,8 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
             layer=layer_index,
             layout="cpu",
             out=output[:n],
+            mask_step_tokens=mask.query_positions is not None,
+            query_positions=mask.query_positions,
         )
         STATS.masked += 1
         return output

@@ -17,6 +17,18 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _prefill_lens(text: str) -> list[int]:
+    try:
+        lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"--prefill-lens: expected comma-separated integers, got {text!r}"
+        ) from e
+    if not lens or any(n < 2 for n in lens):
+        raise argparse.ArgumentTypeError(f"--prefill-lens: need lengths >= 2, got {text!r}")
+    return lens
+
+
 #: Timing rounds by default: an even number, so that ABBA order is balanced.
 DEFAULT_ROUNDS = 6
 
@@ -93,6 +105,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "precision run",
     )
     p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8, 32], help="default 1,8,32")
+    p.add_argument(
+        "--prefill-lens",
+        type=_prefill_lens,
+        default=None,
+        metavar="N,N,...",
+        help="prefill bench (token fusion): the bench once per prompt length, with the "
+        "throughput prompts and the teacher-forced prefixes that long; reports time to first "
+        "token, prefill tokens/s, continuation perplexity, free-running agreement and the "
+        "fraction of token-layers fusion removed, against stock (e.g. 512,2048,8000)",
+    )
+    p.add_argument(
+        "--fusion-plot",
+        metavar="OUT.png",
+        help="prefill bench: the fusion events along one throughput prompt of the longest length",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,

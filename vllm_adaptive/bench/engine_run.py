@@ -377,7 +377,10 @@ def collect_depth_telemetry(llm: Any) -> dict[str, Any] | None:
     tel = llm.apply_model(depth_telemetry)[0]
     if tel is None:
         return None
-    return {"engine": tel["engine"], "requests": {r["tag"]: r for r in tel["finished"]}}
+    out = {"engine": tel["engine"], "requests": {r["tag"]: r for r in tel["finished"]}}
+    if tel.get("fusion_events") is not None:
+        out["fusion_events"] = tel["fusion_events"]
+    return out
 
 
 def collect_gear_telemetry(llm: Any) -> dict[str, Any] | None:

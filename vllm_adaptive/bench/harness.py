@@ -290,6 +290,7 @@ def depth_summary(
             eng["peel_seconds"] / eng["forward_seconds"] if eng["forward_seconds"] else None
         ),
         "engine": eng,
+        "fusion_events": tel.get("fusion_events"),
     }
 
 

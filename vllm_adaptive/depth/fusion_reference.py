@@ -223,7 +223,7 @@ def fused_forward(
             d = adjacent_distance(h)
             distances[j] = d[(ok[1:] & ok[:-1]).to(d.device)].cpu()
             sim = None if sim_sum is None or rule.tau_attn is None else sim_sum / sim_blocks
-            g = fusion_groups(h, rule, exempt=~ok, attn_sim=sim, score=score, mass=mass,
+            g = fusion_groups(h, rule, exempt=~ok, attn_sim=sim, score=score, mass=mass[active],
                               token_ids=tokens.cpu()[active])  # fmt: skip
             for s, e in zip(g.starts.tolist(), g.ends.tolist(), strict=True):
                 events.append(FusionEvent(j, int(span_first[active[s]]), int(active[e]), e - s + 1))

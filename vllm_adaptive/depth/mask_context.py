@@ -39,10 +39,15 @@ class StepMask:
     (committed at the end of each step; this step's own slots are never read).
     ``all_visible_below``: layers ``< all_visible_below`` see every cached slot of the step's
     requests, so the backend uses vLLM's fused op there.
+    ``query_positions``: set once token fusion has removed rows inside a request (from the
+    fusion layer on): the position of each query of the attention call, in the call's token
+    order. The backend then runs the masked path at every layer, with the record applied to this
+    step's own keys too (the runtime wrote a provisional record for them before the layers).
     """
 
     record: torch.Tensor
     all_visible_below: int
+    query_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rec = self.record
@@ -75,6 +80,17 @@ def publish_mask(mask: StepMask | None) -> Iterator[None]:
         yield
     finally:
         _CURRENT = previous
+
+
+def replace_mask(mask: StepMask) -> None:
+    """Swap the current mask inside a :func:`publish_mask` block (which restores the value it
+    found on exit): the layer loop does this when fusion changes the step's queries."""
+    global _CURRENT
+    if not isinstance(mask, StepMask):
+        raise TypeError(f"replace_mask takes a StepMask, got {type(mask).__name__}")
+    if _CURRENT is None:
+        raise RuntimeError("replace_mask outside a publish_mask block")
+    _CURRENT = mask
 
 
 class MaskStats:
@@ -119,5 +135,6 @@ __all__ = [
     "current_mask",
     "mask_stats",
     "publish_mask",
+    "replace_mask",
     "reset_mask_stats",
 ]

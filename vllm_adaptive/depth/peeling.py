@@ -103,6 +103,27 @@ def subset_cpu_metadata(md: Any, rows: torch.Tensor, args: CpuSchedulerArgs) -> 
     )
 
 
+def fused_cpu_metadata(
+    md: Any, counts: torch.Tensor, keep: torch.Tensor, args: CpuSchedulerArgs
+) -> Any:
+    """`CPUAttentionMetadata` for the same requests as ``md`` with only the tokens ``keep``
+    (indices into ``md``'s tokens, ascending) left: ``counts`` of them per request (token fusion
+    removes rows inside a request). Sequence lengths and block tables stay: the kept queries
+    keep their positions, which the masked backend takes from the published mask."""
+    qsl = md.query_start_loc
+    new_qsl = torch.zeros(counts.shape[0] + 1, dtype=qsl.dtype, device=qsl.device)
+    torch.cumsum(counts.to(qsl.device), 0, out=new_qsl[1:])
+    sched = _scheduler_metadata(md, args, md.seq_lens, new_qsl)
+    return dataclasses.replace(
+        md,
+        num_actual_tokens=int(counts.sum()),
+        max_query_len=int(counts.max()),
+        query_start_loc=new_qsl,
+        slot_mapping=md.slot_mapping[keep.to(md.slot_mapping.device)],
+        scheduler_metadata=sched,
+    )
+
+
 def one_token_cpu_metadata(
     md: Any,
     rows: torch.Tensor,

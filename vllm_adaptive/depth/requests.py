@@ -33,6 +33,8 @@ class DepthRequest:
     thresholds: np.ndarray
     depths: list[int] = field(default_factory=list)  # depth of each generated token
     capped_prefill: int | None = None
+    resumed: bool = False  # admitted with generated tokens: resumed after preemption
+    mode_off: bool = False  # adaptive_mode "off" (a budget of 1.0 stops exits, not fusion)
 
     def record(self, num_layers: int, engine_budget: float) -> dict[str, Any]:
         hist: dict[str, int] = {}
@@ -95,7 +97,7 @@ class DepthRequests:
         self._lock = threading.Lock()
         self._warned_budget = False
 
-    def _new(self, o: RequestOverrides, prompt_ids: list[int] | None, _out: Any) -> DepthRequest:
+    def _new(self, o: RequestOverrides, prompt_ids: list[int] | None, out: Any) -> DepthRequest:
         self.seen += 1
         # A budget of 1.0 means no exits whatever the signal: with EMAD combined with another
         # signal (combine "any"), 1.0 would otherwise only silence EMAD.
@@ -117,6 +119,8 @@ class DepthRequests:
             budget=o.depth_budget,
             off=off,
             thresholds=self.thresholds(1.0 if off else o.depth_budget),
+            resumed=bool(out),
+            mode_off=o.mode == "off",
         )
 
     def _finish(self, req: DepthRequest) -> None:

@@ -36,9 +36,12 @@ import torch
 from vllm_adaptive.depth.accelerated import AcceleratedStash, AcceleratedStream
 from vllm_adaptive.depth.backfill import ExitStateStore, backfill
 from vllm_adaptive.depth.exit_profile import ExitProfile
+from vllm_adaptive.depth.fusion_runtime import EngineFusion
 from vllm_adaptive.depth.kv_strategies import PlanDraft, build_kv_strategy
+from vllm_adaptive.depth.mask_context import StepMask, current_mask, replace_mask
 from vllm_adaptive.depth.peeling import (
     CpuSchedulerArgs,
+    fused_cpu_metadata,
     subset_cpu_metadata,
     token_index,
 )
@@ -88,8 +91,10 @@ class DepthRuntime:
         profile: ExitProfile,
         vllm_config: Any,
         unembed: torch.Tensor | None = None,
+        fusion: EngineFusion | None = None,
     ) -> None:
         self.config = config
+        self.fusion = fusion
         self.profile = profile
         self.num_layers = profile.num_layers
         floor = config.floor
@@ -290,6 +295,13 @@ class DepthRuntime:
             return None
         t0 = time.perf_counter()
         plan = self._plan(parts, md, positions)
+        if self.fusion is not None:
+            qsl = md.query_start_loc.cpu().long()
+            plan.fusion = self.fusion.plan(plan.states, plan.decode, qsl, positions, input_ids)
+            if plan.fusion is not None:
+                # provisional: the masked backend reads this step's slots from the record
+                # once fusion has removed rows (members get their layer when they fuse)
+                self.record.write(md.slot_mapping[:n], self.num_layers)
         t_plan = time.perf_counter() - t0
         out, depth = self.kv.run_layers(self, parts, md, plan, positions, hidden, input_ids)
         self._commit(md, plan, depth, positions.shape[0])
@@ -381,6 +393,10 @@ class DepthRuntime:
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
         step = Step(parts, md, plan, input_ids, ctx)
+        cur_md = md  # metadata of the active rows and tokens
+        sf = plan.fusion
+        fusion_layers = set(self.fusion.layers) if sf is not None else set()
+        fused = False  # queries are no longer contiguous: publish their positions
         stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
         for i, layer in enumerate(parts.layers):
             count = i + 1
@@ -395,6 +411,24 @@ class DepthRuntime:
             if any_exit and self._needs_prev(count):
                 prev = h if res is None else h + res  # the block's input stream
             h, res = layer.block(pos, h, res)
+            if count in fusion_layers and rows.numel() > 0:
+                t1 = time.perf_counter()
+                got = self.fusion.fuse(
+                    sf, count, rows, cur_qsl, tok, pos, h, res, input_ids,
+                    self.record.block_size,
+                )  # fmt: skip
+                if got is not None:
+                    if not fused:
+                        self.fusion.counters.steps += 1
+                    fused = True
+                    k = got.keep.to(h.device)
+                    h, res, pos, tok = got.h, got.res, pos[k], tok[k]
+                    self.fusion.commit(sf, self.record, md.slot_mapping)  # members: layer l
+                    cur_md = fused_cpu_metadata(cur_md, got.counts, got.keep, self.sched_args)
+                    ctx.install(cur_md, count)
+                    cur_qsl = cur_md.query_start_loc.cpu().long()
+                    self._publish_positions(pos)
+                c.peel_seconds += time.perf_counter() - t1
             p = self.probe_index.get(count)
             if p is None:
                 continue
@@ -438,16 +472,28 @@ class DepthRuntime:
             tk = token_index(cur_qsl, keep).to(h.device)
             h, res, pos, tok = h[tk], res[tk], pos[tk], tok[tk]
             rows = rows[keep]
-            sub = subset_cpu_metadata(md, rows.to(md.query_start_loc.device), self.sched_args)
+            sub = subset_cpu_metadata(cur_md, keep.to(md.query_start_loc.device), self.sched_args)
             ctx.install(sub, i + 1)
+            cur_md = sub
             cur_qsl = sub.query_start_loc.cpu().long()
+            if fused:
+                self._publish_positions(pos)
             c.peels += 1
             c.peel_seconds += time.perf_counter() - t1
         if rows.numel() > 0:
             final, _ = parts.final_norm(h, res)
             out[tok] = final
             depth[rows] = L
+        if fused:
+            self.fusion.alias_outputs(sf, out)
         return out, depth
+
+    @staticmethod
+    def _publish_positions(pos: torch.Tensor) -> None:
+        """The masked backend's per-query positions for the rows now running (token fusion)."""
+        mask = current_mask()
+        assert mask is not None, "fusion runs under the mask strategy's published mask"
+        replace_mask(StepMask(mask.record, mask.all_visible_below, pos))
 
     # -- 3. commit -------------------------------------------------------------------------------
     def _commit(self, md: Any, plan: StepPlan, depth: torch.Tensor, num_tokens: int) -> None:
@@ -461,6 +507,8 @@ class DepthRuntime:
         else:
             per_token = torch.repeat_interleave(depth, counts)[:num_tokens]
             record.write(md.slot_mapping[:num_tokens], per_token.to(md.slot_mapping.device))
+        if plan.fusion is not None and plan.fusion.fused:
+            EngineFusion.commit(plan.fusion, record, md.slot_mapping)
         c = self.counters
         c.steps += 1
         dec = torch.from_numpy(plan.decode)
@@ -483,7 +531,10 @@ class DepthRuntime:
 
     def telemetry(self) -> dict[str, Any]:
         finished, running = self.requests.records()
-        return {"engine": self.engine_stats(), "finished": finished, "running": running}
+        out = {"engine": self.engine_stats(), "finished": finished, "running": running}
+        if self.fusion is not None:
+            out["fusion_events"] = self.fusion.recent_events()
+        return out
 
     def engine_stats(self) -> dict[str, Any]:
         c = self.counters
@@ -520,4 +571,5 @@ class DepthRuntime:
             "accelerated_seconds": c.accelerated_seconds,
             "forward_seconds": c.forward_seconds,
             "requests_finished": self.requests.finished_count,
+            "fusion": self.fusion.stats() if self.fusion is not None else None,
         }

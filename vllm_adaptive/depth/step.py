@@ -24,6 +24,7 @@ class StepPlan:
     states: list | None
     all_visible_below: int  # mask strategy: layers below see every cached slot
     resume: list  # recompute strategy: (row, position, slot, depth) of tokens to resume
+    fusion: Any = None  # token fusion: the step's `fusion_runtime.StepFusion`, None: no fusion
 
 
 @dataclass

@@ -248,9 +248,10 @@ def _decode_core(q, gather, nblk, key_ok, scale, chunk_blocks):
     return acc.div_(denom).view(b, nh, d)
 
 
-def _prefill_core(query, kb, vb, key_ok, ctx, scale, chunk, out):
-    """One request's ``query`` float32 ``[Q, H, D]`` at positions ``ctx ..``; keys as full
-    matrices (one copy of K^T and V per request), queries in chunks of ``chunk``."""
+def _prefill_core(query, kb, vb, key_ok, ctx, scale, chunk, out, qpos=None):
+    """One request's ``query`` float32 ``[Q, H, D]`` at positions ``ctx ..`` (or at ``qpos``
+    ``[Q]``, ascending, when given: token fusion keeps queries that are not contiguous); keys
+    as full matrices (one copy of K^T and V per request), queries in chunks of ``chunk``."""
     nq, nh, d = query.shape
     _, nblk, nkv, _, bs = kb.shape
     g = nh // nkv
@@ -262,10 +263,13 @@ def _prefill_core(query, kb, vb, key_ok, ctx, scale, chunk, out):
     j = torch.arange(length, device=query.device)
     for c0 in range(0, nq, chunk):
         c1 = min(nq, c0 + chunk)
-        kv_len = ctx + c1  # keys past the chunk's last query are causally invisible
+        if qpos is None:
+            pos = torch.arange(ctx + c0, ctx + c1, device=query.device)
+        else:
+            pos = qpos[c0:c1]
+        kv_len = int(pos[-1]) + 1  # keys past the chunk's last query are causally invisible
         q = query[c0:c1].view(c1 - c0, nkv, g, d).transpose(0, 1).reshape(nkv, -1, d)
         s = torch.matmul(q, kf[:, :, :kv_len]).mul_(scale).view(nkv, c1 - c0, g, kv_len)
-        pos = torch.arange(ctx + c0, ctx + c1, device=query.device)
         vis = ok[None, :kv_len] & (j[None, :kv_len] <= pos[:, None])  # [Qc, kv_len]
         denom = _masked_softmax_(s, vis[None, :, None, :], (3,))
         o = torch.matmul(s.view(nkv, -1, kv_len), vf[:, :kv_len]).view(nkv, c1 - c0, g, d)
@@ -306,6 +310,7 @@ def masked_paged_attention(
     out: torch.Tensor | None = None,
     rows: list[int] | None = None,
     mask_step_tokens: bool = False,
+    query_positions: torch.Tensor | None = None,
     max_elems: int = DEFAULT_MAX_ELEMS,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
 ) -> torch.Tensor:
@@ -317,7 +322,23 @@ def masked_paged_attention(
     ``[num_blocks * block_size]`` indexed by slot (``block * block_size + offset``), or None for
     plain causal paged attention. ``rows``: compute only these requests (the other rows of
     ``out`` are left as they are). Returns ``out`` (allocated when not given).
+
+    ``query_positions`` ``[num_tokens]``: each query's position, for steps whose queries are not
+    the last ``query_len`` positions of their request (token fusion runs a subset of a prompt's
+    rows, ascending per request; a request's last query must still be at ``seq_len - 1``). This
+    step's keys cannot be told from cached ones then, so it needs ``mask_step_tokens=True`` and a
+    record that already holds this step's slots (the runtime's provisional record).
     """
+    if query_positions is not None:
+        if not mask_step_tokens or depth_record is None:
+            raise ValueError(
+                "query_positions needs depth_record and mask_step_tokens=True (this step's keys "
+                "are masked through the record when queries are not contiguous)"
+            )
+        if query_positions.shape != (query.shape[0],):
+            raise ValueError(
+                f"query_positions must be [{query.shape[0]}], got {tuple(query_positions.shape)}"
+            )
     k, _ = logical_kv(key_cache, value_cache, layout)
     _check(query, k, block_table, seq_lens, query_start_loc, depth_record)
     nb, nkv, bs, hs = k.shape
@@ -390,7 +411,8 @@ def masked_paged_attention(
         )
         chunk = max(1, max_elems // max(1, nh * seq_len))
         q = query[qsl[r] : qsl[r + 1]].float()
-        _prefill_core(q, kb, vb, ok, seq_len - n, scale, chunk, out[qsl[r] : qsl[r + 1]])
+        qpos = None if query_positions is None else query_positions[qsl[r] : qsl[r + 1]].to(dev)
+        _prefill_core(q, kb, vb, ok, seq_len - n, scale, chunk, out[qsl[r] : qsl[r + 1]], qpos)
     return out
 
 

@@ -181,10 +181,39 @@ def load_depth_runtime(
     reason = kv.check_engine(depth, num_layers)
     if reason is not None:
         raise AdaptiveConfigError(reason)
+    fusion = None
+    if depth.fusion is not None:
+        fusion = load_engine_fusion(depth, vllm_config.model_config.model, num_layers)
     try:
-        return DepthRuntime(parts, depth, profile, vllm_config, unembed=unembed)
+        return DepthRuntime(parts, depth, profile, vllm_config, unembed=unembed, fusion=fusion)
     except (ProfileError, ValueError) as e:
         raise AdaptiveConfigError(f"adaptive.depth.signal: {e}") from None
+
+
+def load_engine_fusion(depth, model_dir: str, num_layers: int):
+    """The token fusion mechanism for ``adaptive.depth.fusion``; errors name the config key."""
+    from vllm_adaptive.artifacts import ProfileError
+    from vllm_adaptive.depth.calibrate_fusion import load_fusion_profile
+    from vllm_adaptive.depth.fusion_runtime import EngineFusion, check_fusion_profile
+
+    if "arla" in depth.signal.policy:
+        raise AdaptiveConfigError(
+            'adaptive.depth.fusion: policy "arla" runs its accelerated stream on the step\'s '
+            "unfused metadata; fusion with ARLA is not built (use another exit signal)"
+        )
+    try:
+        prof = load_fusion_profile(depth.fusion.profile, model_dir)
+    except (ProfileError, KeyError, ValueError) as e:
+        raise AdaptiveConfigError(f"adaptive.depth.fusion.profile: {e}") from None
+    bad = [layer for layer in prof.rules if not 1 <= layer < num_layers]
+    if bad:
+        raise AdaptiveConfigError(
+            f"adaptive.depth.fusion.profile: fusion layers must lie in 1..{num_layers - 1}: {bad}"
+        )
+    reason = check_fusion_profile(prof)
+    if reason is not None:
+        raise AdaptiveConfigError(reason)
+    return EngineFusion(prof, num_layers)
 
 
 def llama_layer_parts(index: int, layer: nn.Module, dense_mlp: bool = True) -> LayerParts:

@@ -44,6 +44,10 @@ class MaskStrategy(KvStrategy):
 
     def step_mask(self, runtime: Any, plan: Any) -> StepMask | None:
         if plan.all_visible_below >= runtime.num_layers:
+            if plan.fusion is not None:
+                # fusion may mask this step's own slots from its layer on (runtime._peel
+                # swaps in the query positions then); below it, vLLM's fused op
+                return StepMask(runtime.record.depth, runtime.num_layers)
             return None
         runtime.counters.masked_steps += 1
         return StepMask(runtime.record.depth, plan.all_visible_below)

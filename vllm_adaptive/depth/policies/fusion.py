@@ -180,12 +180,15 @@ def fusion_groups(
     score: torch.Tensor | None = None,
     mass: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    cut: torch.Tensor | None = None,
 ) -> FusionGroups:
     """Groups of adjacent rows of ``hidden`` [T, H] to merge at this layer (see module doc).
 
     ``exempt`` [T] bool, ``attn_sim`` [T-1] (needed when ``rule.tau_attn`` is set), ``score``
     [T] > 0 (needed for ``weighting="score"``), ``mass`` [T] (tokens each row stands for),
-    ``token_ids`` [T] (each row's token, needed for ``split_repeats``)."""
+    ``token_ids`` [T] (each row's token, needed for ``split_repeats``), ``cut`` [T-1] bool
+    (pairs that may not fuse whatever their distance: the engine cuts groups at KV-block and
+    request boundaries)."""
     t = hidden.shape[0]
     dist = adjacent_distance(hidden) if t > 1 else hidden.new_zeros(0, dtype=torch.float32)
     pair = dist < rule.tau_fuse
@@ -203,6 +206,10 @@ def fusion_groups(
             raise ValueError("split_repeats is set: token_ids [T] is required")
         ids = token_ids.cpu()
         pair &= ids[1:] != ids[:-1]
+    if cut is not None:
+        if cut.shape != (max(t - 1, 0),):
+            raise ValueError(f"cut must be [{max(t - 1, 0)}], got {tuple(cut.shape)}")
+        pair &= ~cut.to(torch.bool).cpu()
     starts, ends = _runs(pair.cpu().tolist(), rule.max_group)
     weights = torch.zeros(t, dtype=torch.float32)
     if rule.weighting == "score":
@@ -210,6 +217,8 @@ def fusion_groups(
             raise ValueError('weighting="score" needs score [T]')
         alpha = score.float().cpu().clamp_min(1e-12)
     else:
+        if mass is not None and mass.shape != (t,):
+            raise ValueError(f"mass must be [{t}] (one per row), got {tuple(mass.shape)}")
         alpha = torch.ones(t) if mass is None else mass.float().cpu()
     for s, e in zip(starts, ends, strict=True):
         a = alpha[s : e + 1]
