@@ -217,6 +217,10 @@ def _table_rows(md: str) -> dict[str, list[str]]:
         (PROFILE_BUDGET, "monotone/emad b(profile)"),
         (COMBINED, "monotone/emad|river b0.6 tau0.9"),
         ({"mode": "off", **MASK}, "off: mask/emad b0.6"),
+        (
+            {"depth": {**MASK["depth"], "fusion": {"profile": "/tmp/fusion-profile"}}},
+            "mask/emad b0.6 +fusion[fusion-profile]",
+        ),
         ({}, "{}"),
         ({"precision": {"policy": "fixed", "gear": "w8a16"}}, "fixed w8a16"),
         (

@@ -79,6 +79,10 @@ def depth_parts(depth: dict[str, Any], engine: dict[str, Any] | None = None) -> 
     extra = []
     if "floor" in depth and depth["floor"] is None:
         extra.append("nofloor")
+    fusion = depth.get("fusion")
+    if isinstance(fusion, dict):
+        name = str(fusion.get("profile", "")).rstrip("/").rsplit("/", 1)[-1]
+        extra.append(f"+fusion[{name}]" if name else "+fusion")
     if depth.get("refresh"):
         extra.append(
             f"refresh {depth['refresh'].get('every')}/{depth['refresh'].get('raise_layers')}"
