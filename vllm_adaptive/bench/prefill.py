@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_adaptive.bench.labels import config_label
+
 
 def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -51,6 +53,7 @@ def summarize_length(results: dict[str, Any], length: int) -> dict[str, Any]:
                 "ppl": run["ppl"],
                 "ppl_rel_change": run["ppl_rel_change"],
                 "greedy_agreement_teacher_forced": run["greedy_agreement"],
+                "decode_speedup": run.get("speedup"),  # decode tokens/s against stock
                 "free_running": run.get("free_running"),
                 "removed_token_layers_fraction": (
                     fusion["removed_fraction"] if fusion is not None else None
@@ -72,23 +75,32 @@ def summarize_length(results: dict[str, Any], length: int) -> dict[str, Any]:
 def table_markdown(out: dict[str, Any]) -> str:
     lines = [
         "| prompt tokens | config | batch | TTFT s (stock) | TTFT s | TTFT speed-up | prefill "
-        "tok/s (stock) | prefill tok/s | token-layers removed | ppl change | free-running "
-        "agreement |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "tok/s (stock) | prefill tok/s | decode speed-up | token-layers removed | ppl change | "
+        "teacher-forced agreement | free-running agreement |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for length, s in out["lengths"].items():
         for r in s["runs"]:
-            label = json.dumps(r["config"])[:60]
+            label = config_label(r["config"])
+            fr = r.get("free_running") or {}
+            removed = r["removed_token_layers_fraction"]
+            decode = r.get("decode_speedup") or {}
             for b, t in r["ttft_s"].items():
-                fr = r.get("free_running") or {}
-                removed = r["removed_token_layers_fraction"]
                 lines.append(
-                    f"| {length} | `{label}` | {b} | {s['stock']['ttft_s'][b]:.3f} | {t:.3f} | "
+                    f"| {length} | {label} | {b} | {s['stock']['ttft_s'][b]:.3f} | {t:.3f} | "
                     f"x{r['ttft_speedup'][b]:.3f} | {s['stock']['prefill_tokens_per_s'][b]:.0f} | "
                     f"{r['prefill_tokens_per_s'][b]:.0f} | "
+                    + (f"x{decode[b]:.3f}" if b in decode else "-")
+                    + " | "
                     + (f"{removed:.2%}" if removed is not None else "-")
                     + f" | {r['ppl_rel_change']:+.2%} | "
-                    + (f"{fr.get('token_agreement', fr.get('agreement', '-'))}" if fr else "-")
+                    + f"{r['greedy_agreement_teacher_forced']:.3f} | "
+                    + (
+                        f"{fr['agreement']:.3f} "
+                        f"({fr.get('prompts', '?')} x {fr.get('tokens', '?')})"
+                        if fr.get("agreement") is not None
+                        else "-"
+                    )
                     + " |"
                 )
     return "\n".join(lines) + "\n"
