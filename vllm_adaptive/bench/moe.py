@@ -180,27 +180,7 @@ def combine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _summary(stats: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     gen = run["generated_tokens"]
-    keep = (
-        "loader_cpus",
-        "slots",
-        "hits",
-        "misses",
-        "late",
-        "loads",
-        "prefetches",
-        "prefetch_skipped",
-        "prefetch_promoted",
-        "prefetch_cancelled",
-        "evictions",
-        "stall_seconds",
-        "load_seconds",
-        "bytes_read",
-        "violations",
-        "tokens",
-        "steps",
-        "forward_seconds",
-        "hit_rate",
-    )
+    keep = ("loader_cpus", "slots", *SUMMED, "hit_rate")
     out = {k: stats.get(k) for k in keep}
     out["stall_seconds_per_generated_token"] = stats["stall_seconds"] / gen if gen else None
     out["loader_busy_fraction"] = stats["load_seconds"] / run["seconds"] if run["seconds"] else None
