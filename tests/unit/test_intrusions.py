@@ -89,6 +89,7 @@ def test_registry_entries_are_complete():
         "admission-check",
         "check-before-stream",
         "xargs-booleans",
+        "request-validator",
         "masked-attention-backend",
         "cpu-expand-kernel",
         "drafter-runner",

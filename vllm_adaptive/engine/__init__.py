@@ -11,7 +11,8 @@ by ``tests/unit/test_import_graph.py``.
 - ``intrusions``: every change to vLLM's own objects, one registry entry each (what it
   replaces, the vLLM versions it was written for, when it is applied), applied once and logged.
 - ``vllm_api``: every vLLM name the rest of the package uses, with the modules that use it.
-- ``request_validator``: the ``vllm.logits_processors`` entry point: per-request overrides
+- ``request_validator``: the logits processor the general plugin adds (intrusion
+  ``request-validator``; not an entry point, so that ``VLLM_PLUGINS=""`` is stock): overrides
   checked at admission (HTTP 400), and the per-step batch hook.
 - ``batch_mirror``: per-request state that follows vLLM's persistent batch (fed by that hook).
 - ``metrics``: the ``vllm.stat_logger_plugins`` entry point (``vllm_adaptive:*`` on /metrics).

@@ -35,6 +35,13 @@ before engines and the HTTP app are built), :func:`apply_at_register`:
     messages): pydantic's lax union ``str | int | float`` turns a JSON ``true`` into ``1``; the
     field gets a wrap validator that puts back the JSON boolean of ``adaptive_*`` keys.
 
+``request-validator``
+    ``vllm.v1.sample.logits_processor._load_logitsprocs_plugins``: the plugin's
+    ``AdaptiveRequestValidator`` joins the logits processors that vLLM loads from entry points.
+    vLLM loads every ``vllm.logits_processors`` entry point whatever ``VLLM_PLUGINS`` says, so
+    the validator is not one: it is added only in processes where the general plugin ran, and
+    ``VLLM_PLUGINS=""`` gives stock vLLM with none of the plugin's code on its path.
+
 Applied where they must be, through :func:`apply`:
 
 ``masked-attention-backend`` (adaptive model construction, ``kv_strategy: "mask"``, before the
@@ -55,8 +62,6 @@ Applied where they must be, through :func:`apply`:
     passes rows only). This replaced a walk up the call stack.
 
 Not in the registry, because vLLM or torch offers them as hooks: the entry points
-``vllm.logits_processors`` (``request_validator.AdaptiveRequestValidator``: the admission check,
-and ``update_state`` as the per-step batch hook of ``batch_mirror``),
 ``vllm.stat_logger_plugins`` (``metrics.py``) and ``vllm.endpoint_plugins`` (``routes.py``); the
 ``custom_class`` speculative proposer; a torch forward pre-hook the proposer puts on the model it
 drafts for (``speculative/proposer.py``). Nor are changes to module instances of the model the
@@ -297,6 +302,32 @@ def _patch_xargs_models() -> bool:
     return done > 0
 
 
+# -- 4. the request validator among vLLM's logits processors -----------------------------------
+
+
+def _patch_logitsprocs_loader() -> bool:
+    """``AdaptiveRequestValidator`` (the admission check; ``update_state`` is the per-step batch
+    hook of ``batch_mirror``) after the entry-point logits processors, in this process only."""
+    from vllm.v1.sample import logits_processor as lp
+
+    original = lp._load_logitsprocs_plugins
+    if _patched(original):
+        return False
+
+    @functools.wraps(original)
+    def load_plugins() -> list:
+        from vllm_adaptive.engine.request_validator import AdaptiveRequestValidator
+
+        classes = list(original())
+        if AdaptiveRequestValidator not in classes:
+            classes.append(AdaptiveRequestValidator)
+        return classes
+
+    lp._load_logitsprocs_plugins = _mark(load_plugins)
+    lp.cached_load_custom_logitsprocs.cache_clear()  # a list loaded before the patch
+    return True
+
+
 # -- masked attention backend --------------------------------------------------------------------
 
 
@@ -441,6 +472,14 @@ INTRUSIONS: dict[str, Intrusion] = {
             "the vllm_xargs field of the OpenAI request models",
             "register",
             _patch_xargs_models,
+        ),
+        Intrusion(
+            "request-validator",
+            "vllm.v1.sample.logits_processor._load_logitsprocs_plugins",
+            "register",
+            _patch_logitsprocs_loader,
+            other_versions="apply",
+            required=True,
         ),
         Intrusion(
             "masked-attention-backend",
