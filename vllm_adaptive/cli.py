@@ -56,6 +56,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from vllm_adaptive.bench.online import main as online_main
+
+    return online_main(args.rest)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from vllm_adaptive.metal_backend.server import run_from_args
 
@@ -140,6 +146,12 @@ def _cmd_kernels_dispatch(args: argparse.Namespace) -> int:
 
 def _cmd_train_m2r2(args: argparse.Namespace) -> int:
     from vllm_adaptive.m2r2.train import run_from_args
+
+    return run_from_args(args)
+
+
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from vllm_adaptive.speculative.train_eagle3 import run_from_args
 
     return run_from_args(args)
 
@@ -244,6 +256,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_m2r2_arguments(m2r2)
     m2r2.set_defaults(func=_cmd_train_m2r2)
 
+    from vllm_adaptive.speculative.draft_args import add_draft_arguments
+
+    draft = train_sub.add_parser(
+        "draft",
+        help="an EAGLE-3 draft head for vLLM's eagle3 speculative method, self-distilled from "
+        "the target on CPU",
+    )
+    add_draft_arguments(draft)
+    draft.set_defaults(func=_cmd_train_draft)
+
     from vllm_adaptive.moe.args import add_moe_arguments
 
     moe = sub.add_parser(
@@ -253,6 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_adaptive.bench.moe import add_moe_bench_arguments
 
     add_moe_bench_arguments(add_moe_arguments(moe))
+
+    online = sub.add_parser(
+        "bench-serve",
+        add_help=False,
+        help="vllm serve loaded by vLLM's own `vllm bench serve`: stock at both dtypes against "
+        "the plugin's configurations (the project's speed figures)",
+    )
+    online.set_defaults(func=_cmd_bench_serve, forwards_rest=True)
 
     from vllm_adaptive.oracle import add_oracle_arguments
 

@@ -1,0 +1,85 @@
+"""The online bench's pieces that need no server: server specs, ABBA order, the baseline per
+concurrency, agreement, the report (the bench itself runs servers: `vllm-adaptive bench-serve`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_adaptive.bench import online
+
+
+def test_server_spec_parsing_and_errors() -> None:
+    s = online.parse_server_spec('{"label": "fp16", "dtype": "float32", "adaptive": {}}')
+    assert s == online.ServerSpec("fp16", "float32", {}, ()) and not s.stock
+    assert online.parse_server_spec('{"label": "s", "dtype": "bfloat16"}').stock
+    for bad, word in (
+        ("{", "not JSON"),
+        ('{"label": "x", "dtype": "fp8"}', "dtype"),
+        ('{"label": "", "dtype": "float32"}', "label"),
+        ('{"label": "x", "dtype": "float32", "adaptiv": {}}', "unknown keys"),
+        ('{"label": "x", "dtype": "float32", "serve_args": "--x"}', "serve_args"),
+        ('{"label": "x", "dtype": "float32", "adaptive": 1}', "adaptive"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            online.parse_server_spec(bad)
+
+
+def test_stock_is_really_stock_and_plugin_is_on() -> None:
+    stock = online.ServerSpec("stock", "float32")
+    assert online.serve_env(stock) == {"VLLM_PLUGINS": ""}
+    on = online.serve_env(online.ServerSpec("p", "float32", {"precision": None}))
+    assert on["VLLM_PLUGINS"] == online.PLUGINS_ON
+    assert json.loads(on["ADAPTIVE_CONFIG"]) == {"adaptive": {"precision": None}}
+    cmd = online.serve_command(stock, 1234)
+    assert cmd[1].endswith("scripts/serve.sh") and cmd[cmd.index("--dtype") + 1] == "float32"
+
+
+def test_defaults_follow_the_isa() -> None:
+    avx2 = online.default_servers(["avx2", "fma"])
+    bf16 = online.default_servers(["avx2", "avx512f", "avx512_bf16"])
+    assert {s.dtype for s in avx2 if s.stock} == {"bfloat16", "float32"}
+    assert {s.dtype for s in avx2 if not s.stock} == {"float32"}
+    assert {s.dtype for s in bf16 if not s.stock} == {"bfloat16", "float32"}
+
+
+def test_abba_order() -> None:
+    a, b, c = (online.ServerSpec(x, "float32") for x in "abc")
+    order = [(r, s.label) for r, s in online.abba([a, b, c], 2)]
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")]
+
+
+def _run(tps: float, tpot: float, ttft: float) -> dict:
+    return {"output_throughput": tps, "median_tpot_ms": tpot, "median_ttft_ms": ttft,
+            "failed": 0, "completed": 8}
+
+
+def test_baseline_is_the_faster_stock_per_concurrency() -> None:
+    servers = [
+        {"label": "stock bf16", "stock": True, "runs": {"1": [_run(30, 30, 100)],
+                                                        "8": [_run(50, 90, 300)]}},
+        {"label": "stock f32", "stock": True, "runs": {"1": [_run(20, 45, 120)],
+                                                       "8": [_run(100, 70, 200)]}},
+        {"label": "p", "stock": False, "runs": {"1": [_run(60, 15, 50), _run(40, 25, 150)],
+                                                "8": [_run(110, 60, 210)]}},
+    ]
+    summ = online.summarize(servers, [1, 8])
+    assert summ["baseline"] == {"1": "stock bf16", "8": "stock f32"}
+    p1 = summ["servers"]["p"]["1"]
+    assert p1["output_throughput"] == 50 and p1["output_throughput_range"] == [40, 60]
+    assert p1["x_output_throughput"] == pytest.approx(50 / 30)
+    assert summ["servers"]["p"]["8"]["x_ttft"] == pytest.approx(200 / 210)
+
+
+class _Tok:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(ch) for ch in text]
+
+
+def test_agreement_counts_identical_texts_and_prefixes() -> None:
+    got = online.agreement(["abcd", "abxx", "zzzz"], ["abcd", "abcd", "abcd"], _Tok())
+    assert got["identical"] == pytest.approx(1 / 3)
+    assert got["prefix"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
+    with pytest.raises(ValueError):
+        online.agreement(["a"], ["a", "b"], _Tok())
