@@ -48,10 +48,12 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             '"num_speculative_tokens": k}'
         )
     if spec is not None and getattr(spec, "method", None) in ("eagle", "eagle3"):
-        raise AdaptiveConfigError(
-            f"adaptive: speculative method {spec.method!r} needs auxiliary hidden states "
-            "from the target model, which the adaptive layer loop does not produce yet"
-        )
+        if adaptive.active_depth is not None:
+            raise AdaptiveConfigError(
+                f"adaptive.depth: speculative method {spec.method!r} reads the target's hidden "
+                "states at fixed layers, which exited tokens do not reach (turn one off)"
+            )
+        check_draft_head(spec, vllm_config.model_config.model)
     if adaptive.active_depth is not None:
         if spec is not None:
             raise AdaptiveConfigError(
@@ -83,6 +85,20 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
         )
 
 
+def check_draft_head(spec, target: str) -> None:
+    """Refuse an EAGLE head made for another model (the head's fingerprint of its target)."""
+    from pathlib import Path
+
+    from vllm_adaptive.speculative.eagle3_head import Eagle3HeadError, check_head_for_target
+
+    head = getattr(spec, "model", None)
+    if head and Path(head).is_dir() and Path(target).is_dir():
+        try:
+            check_head_for_target(head, target)
+        except Eagle3HeadError as e:
+            raise AdaptiveConfigError(f"speculative_config: {e}") from None
+
+
 class AdaptiveLlamaModel(LlamaModel):
     """LlamaModel whose decoder stack runs through the depth runtime when one is attached."""
 
@@ -93,7 +109,18 @@ class AdaptiveLlamaModel(LlamaModel):
         intermediate_tensors: IntermediateTensors | None,
         inputs_embeds: torch.Tensor | None = None,
         **extra_layer_kwargs,
-    ) -> torch.Tensor | IntermediateTensors:
+    ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
+        if getattr(self, "aux_hidden_state_layers", ()):
+            # EAGLE-3 drafts from the target's states at fixed layers: vLLM's own loop keeps
+            # them (SupportsEagle3 is inherited from the stock class; depth is refused with it)
+            return LlamaModel.forward(
+                self,
+                input_ids,
+                positions,
+                intermediate_tensors,
+                inputs_embeds,
+                **extra_layer_kwargs,
+            )
         if get_pp_group().is_first_rank:
             hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
             residual = None

@@ -1,0 +1,59 @@
+"""vLLM's own EAGLE-3 proposer with the plugin loaded: the adaptive Llama class gives vLLM the
+target's auxiliary hidden states (``SupportsEagle3``), so an EAGLE-3 head works with adaptivity
+on, as with stock. An untrained head (``eagle3_head.random_head``) is enough for what is checked
+here: vLLM drafts with it, and greedy output stays identical to stock vLLM (lossless); a head
+made for another model is refused at engine start, naming the mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import make_llm, metric, shutdown
+from tests.support.workloads import run_workloads
+from vllm_adaptive.speculative.eagle3_head import MARKER, random_head
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def head(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_head(tmp_path_factory.mktemp("eagle3") / "head", model_dir)
+
+
+def _eagle3(head: Path) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+
+
+@pytest.mark.parametrize(
+    "adaptive",
+    [{}, {"precision": {"policy": "fixed", "gear": "fp16"}}],
+    ids=["adaptivity-off", "fp16-gear"],
+)
+def test_eagle3_drafts_and_output_identical_to_stock(
+    model_dir: Path, head: Path, stock_f32: dict, adaptive: dict
+) -> None:
+    llm = make_llm(
+        model_dir, {"adaptive": adaptive}, dtype="float32", speculative_config=_eagle3(head)
+    )
+    try:
+        got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
+        drafted = metric(llm, "vllm:spec_decode_num_draft_tokens")
+    finally:
+        shutdown(llm)
+    assert drafted > 100, drafted  # vLLM's EAGLE-3 proposer really ran on the plugin's model
+    for key, seqs in got.items():
+        assert seqs == stock_f32["spec_mixed"][key], key
+
+
+def test_head_for_another_model_refused_at_start(model_dir: Path, head: Path, tmp_path) -> None:
+    other = tmp_path / "head"
+    other.mkdir()
+    for f in head.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    (other / MARKER).write_text(json.dumps({"target_fingerprint": "0" * 64}))
+    with pytest.raises(Exception, match="made for another model"):
+        make_llm(model_dir, {"adaptive": {}}, dtype="float32", speculative_config=_eagle3(other))
