@@ -58,6 +58,10 @@ OFFLINE = (
     # adapter training
     "vllm_adaptive.m2r2.args",
     "vllm_adaptive.m2r2.train",
+    # EAGLE-3 draft heads: the format and their training
+    "vllm_adaptive.speculative.eagle3_head",
+    "vllm_adaptive.speculative.draft_args",
+    "vllm_adaptive.speculative.train_eagle3",
     # MoEfying, its quality evaluation and the M2R2 expert-prediction adapters' training
     "vllm_adaptive.moe.args",
     "vllm_adaptive.moe.collect",

@@ -1,0 +1,387 @@
+"""EAGLE-3 head training (`vllm-adaptive train draft`) on a tiny random Llama target.
+
+The head's forward is checked against an independent step-by-step reference written after
+vLLM's code (``llama_eagle3.py``'s layer and model, ``llm_base_proposer.propose``'s chaining
+with a KV cache, transformers' rotary embedding); the untrained head against the target itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_adaptive.speculative import eagle3_head as e3
+from vllm_adaptive.speculative import train_eagle3 as te
+from vllm_adaptive.speculative.draft_args import DraftTrainOptions
+
+VOCAB = 128
+TEXT = (
+    "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. "
+    "to be or not to be, that is the question. all that glitters is not gold. "
+) * 60
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread (two spin-wait on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """A 4-layer random Llama (hidden 64, vocab 128, GQA 4/2, rope theta 5000 in transformers
+    5's ``rope_parameters``) with a character tokenizer."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("target")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # a less flat target than the default init
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(4.0)
+    model.save_pretrained(d)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({chr(c): c for c in range(32, VOCAB - 1)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "text.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def _hf(target: Path):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+
+
+def _head(target: Path, draft_vocab: int = 48, layers=(1, 2, 3)):
+    cfg_t = json.loads((target / "config.json").read_text())
+    cfg = e3.head_config(cfg_t, draft_vocab, layers)
+    model = _hf(target)
+    return te.Eagle3Draft(cfg, model.model.embed_tokens.weight), model
+
+
+def _randomise(head: te.Eagle3Draft, seed: int = 3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (p.shape[1] ** -0.5))
+
+
+# -- the forward against a vLLM-shaped reference ----------------------------------------------
+def _ref_norm(x, w, eps, residual=None):
+    """vLLM RMSNorm.forward_native: with ``residual``, the fused add first; returns (out, sum)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return out if residual is None else (out, residual)
+
+
+def _ref_draft_chain(head: te.Eagle3Draft, tokens, aux, p: int, k: int, theta: float):
+    """vLLM's proposer for one request whose verified tokens end at ``p + 1``: the first pass
+    over positions 0..p (input token s + 1 with fc(aux[s])) fills a KV cache; each later step
+    is one query at the next position with the drafted (here: the next real) token and the
+    previous step's pre-norm hidden, appending its K/V. Rotary from transformers."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    sd = {n: t.detach() for n, t in head.state_dict().items()}
+    cfg = head.cfg
+    eps, H, KV, D = (
+        cfg["rms_norm_eps"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    rot = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=cfg["hidden_size"],
+            num_attention_heads=H,
+            head_dim=D,
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+        )
+    )
+    lin = lambda name, x: x @ sd[name].T  # noqa: E731
+    m = "midlayer."
+
+    def layer(ids, hidden, positions, cache_k, cache_v):
+        # LlamaDecoderLayer.forward, layer_idx 0, norm_before_residual False
+        embeds = _ref_norm(head.embed[ids], sd[m + "input_layernorm.weight"], eps)
+        residual = hidden
+        hs = _ref_norm(hidden, sd[m + "hidden_norm.weight"], eps)
+        x = torch.cat([embeds, hs], -1)
+        n = x.shape[0]
+        q = lin(m + "self_attn.q_proj.weight", x).view(n, H, D).transpose(0, 1)[None]
+        kk = lin(m + "self_attn.k_proj.weight", x).view(n, KV, D).transpose(0, 1)[None]
+        v = lin(m + "self_attn.v_proj.weight", x).view(n, KV, D).transpose(0, 1)[None]
+        cos, sin = rot(x[None], positions[None])
+        q, kk = apply_rotary_pos_emb(q, kk, cos, sin)
+        cache_k.append(kk[0].transpose(0, 1))
+        cache_v.append(v[0].transpose(0, 1))
+        K = torch.cat(cache_k, 0).repeat_interleave(H // KV, 1)  # S, H, D
+        V = torch.cat(cache_v, 0).repeat_interleave(H // KV, 1)
+        S = K.shape[0]
+        qpos = torch.arange(S - n, S)
+        scores = torch.einsum("hnd,shd->hns", q[0], K) * D**-0.5
+        scores = scores.masked_fill(torch.arange(S)[None, None, :] > qpos[None, :, None], -1e30)
+        attn = torch.einsum("hns,shd->nhd", scores.softmax(-1), V).reshape(n, H * D)
+        attn = lin(m + "self_attn.o_proj.weight", attn)
+        hs, residual = _ref_norm(attn, sd[m + "post_attention_layernorm.weight"], eps, residual)
+        g, u = lin(m + "mlp.gate_proj.weight", hs), lin(m + "mlp.up_proj.weight", hs)
+        hs = lin(m + "mlp.down_proj.weight", torch.nn.functional.silu(g) * u)
+        # LlamaModel.forward: norm with the fused add; aux_output = the pre-norm sum
+        normed, prenorm = _ref_norm(hs, sd["norm.weight"], eps, residual)
+        return lin("lm_head.weight", normed), prenorm
+
+    cache_k, cache_v = [], []
+    hidden = lin("fc.weight", aux[: p + 1])  # combine_hidden_states
+    ids = tokens[1 : p + 2]  # shifted by one, the last one is the sampled (next) token
+    logits, prenorm = layer(ids, hidden, torch.arange(p + 1), cache_k, cache_v)
+    outs = [(logits[-1], prenorm[-1])]
+    hidden = prenorm[-1:]
+    for j in range(1, k):
+        ids = tokens[p + j + 1 : p + j + 2]
+        logits, prenorm = layer(ids, hidden, torch.tensor([p + j]), cache_k, cache_v)
+        outs.append((logits[-1], prenorm[-1]))
+        hidden = prenorm
+    return outs
+
+
+def test_head_forward_matches_vllm_reference(target: Path) -> None:
+    torch.manual_seed(0)
+    head, _ = _head(target)
+    _randomise(head)
+    T, k = 12, 3
+    tokens = torch.randint(3, VOCAB, (2, T))
+    aux = torch.randn(2, T, 3 * 64) * 3.0
+    with torch.no_grad():
+        outs = head.ttt(tokens, aux, k)
+        for b in range(2):
+            for p in (0, 4, T - k - 1):
+                ref = _ref_draft_chain(head, tokens[b], aux[b], p, k, 5000.0)
+                for j in range(k):
+                    torch.testing.assert_close(
+                        outs[j].logits[b, p], ref[j][0], rtol=1e-4, atol=1e-4
+                    )
+                    torch.testing.assert_close(
+                        outs[j].hidden[b, p], ref[j][1], rtol=1e-4, atol=1e-4
+                    )
+    assert head.cfg["rope_theta"] == 5000.0  # the target's, read from rope_parameters
+
+
+def test_untrained_head_is_the_target_layer(target: Path) -> None:
+    """fc = [0, 0, I] and the decoder layer copied from the target's layer L: the first draft
+    step's pre-norm output is the target's residual after L + 1 layers (transformers), which
+    also pins hidden_states[i] as vLLM's aux state after i layers."""
+    head, model = _head(target, layers=(0, 1, 2))
+    draft_ids = torch.arange(3, 51)
+    init_state = {n: t.float() for n, t in model.state_dict().items()}
+    te.init_from_target(head, init_state, draft_ids, 2)
+    tokens = torch.randint(3, VOCAB, (2, 10))
+    with torch.no_grad():
+        hs = model(tokens, output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[0], hs[1], hs[2]], -1)
+        out = head.ttt(tokens, aux, 1)[0]
+    torch.testing.assert_close(out.hidden, hs[3], rtol=1e-5, atol=1e-5)
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight[draft_ids])
+
+
+# -- vocabulary, loss, acceptance -------------------------------------------------------------
+def test_draft_vocab_and_d2t() -> None:
+    greedy = torch.tensor([0, 5, 5, 1, 0, 9, 0, 2])
+    text = torch.tensor([7, 1, 2, 0, 3, 0, 0, 0])
+    ids = te.choose_draft_vocab(greedy, text, 4)
+    assert ids.tolist() == [1, 2, 5, 7]  # 5 (9), 1/2 (5; 1 first, more text), 7 (2)
+    d2t, t2d = e3.vocab_maps(ids, 8)
+    assert (torch.arange(4) + d2t).tolist() == [1, 2, 5, 7]
+    assert t2d.nonzero().flatten().tolist() == [1, 2, 5, 7]
+    idx = te.target_index(ids, 8)
+    assert idx.tolist() == [-1, 0, 1, -1, -1, 2, -1, 3]
+    with pytest.raises(te.DraftTrainError, match="fewer"):
+        te.choose_draft_vocab(greedy, text, 8)
+
+
+def test_acceptance_counts_chains_like_vllm() -> None:
+    """A fake head that drafts token t + 2 from chain p exactly except at given places."""
+
+    class Fake:
+        def __init__(self, wrong):
+            self.wrong = wrong
+
+        def ttt(self, tokens, aux, k):
+            outs = []
+            for j in range(k):
+                want = torch.zeros_like(tokens)
+                want[:, : tokens.shape[1] - j - 2] = tokens[:, j + 2 :]
+                for b, p, jj in self.wrong:
+                    if jj == j:
+                        want[b, p] = (want[b, p] + 1) % 10
+                outs.append(te.StepOutput(torch.nn.functional.one_hot(want, 10).float(), None))
+            return outs
+
+    tokens = torch.arange(20).view(1, 20) % 10
+    valid = te.eval_valid(tokens, prompt_len=5, k=3, eos=None)
+    assert valid[0].nonzero().flatten().tolist() == list(range(4, 16))
+    draft_ids = torch.arange(10)
+    assert te.acceptance(Fake([]), tokens, None, valid, draft_ids, 3) == [1.0, 1.0, 1.0]
+    # chain 4 misses its first token: its later tokens count as rejected however good
+    rates = te.acceptance(Fake([(0, 4, 0), (0, 6, 2)]), tokens, None, valid, draft_ids, 3)
+    assert rates == pytest.approx([11 / 12, 11 / 12, 10 / 12])
+    eos_valid = te.eval_valid(torch.tensor([[3, 3, 3, 3, 3, 4, 4, 4, 2, 4, 4, 4]]), 5, 2, eos=2)
+    assert eos_valid[0].nonzero().flatten().tolist() == [4, 5]  # references end at the EOS
+
+
+def test_loss_decreases_on_a_fixed_batch(target: Path) -> None:
+    torch.manual_seed(0)
+    head, model = _head(target)
+    draft_ids = torch.arange(3, 51)
+    te.init_from_target(head, model.state_dict(), draft_ids, 3)
+    tokens = torch.randint(3, 51, (2, 16))
+    shard = te.target_pass(model, tokens, [1, 2, 3], 8)
+    t2d = te.target_index(draft_ids, VOCAB)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        outs = head.ttt(tokens, shard["aux"].float(), 3)
+        loss = sum(
+            0.8**j
+            * te.step_loss(o.logits, j, shard["topk_ids"], shard["topk_logits"], t2d, draft_ids)[0]
+            for j, o in enumerate(outs)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+# -- the command end to end: data cache, resume, the saved head -------------------------------
+def _opts(target: Path, corpus: Path, out: Path, **kw) -> DraftTrainOptions:
+    base = dict(
+        model=str(target),
+        corpus=[str(corpus)],
+        out=str(out),
+        tokens=6 * 32,
+        seq_len=32,
+        topk=8,
+        draft_vocab=40,
+        aux_layers=[1, 2, 3],
+        steps=6,
+        batch=2,
+        lr=1e-3,
+        warmup=2,
+        eval_every=3,
+        eval_prompts=2,
+        eval_prompt_len=12,
+        eval_new_tokens=10,
+        patience=0,
+        save_every=2,
+        threads=1,
+        data_batch=4,
+        progress=False,
+    )
+    base.update(kw)
+    return DraftTrainOptions(**base)
+
+
+def test_train_resume_and_saved_head(target: Path, corpus: Path, tmp_path: Path) -> None:
+    full = te.train(_opts(target, corpus, tmp_path / "full"))
+    assert full["step"] == 6 and not full["stopped"]
+
+    part = tmp_path / "part"
+    assert te.train(_opts(target, corpus, part, stop_after=3))["stopped"]
+    data_files = sorted((part / "train" / "data").glob("*.pt"))
+    mtimes = [f.stat().st_mtime_ns for f in data_files]
+    resumed = te.train(_opts(target, corpus, part, resume=True))
+    assert resumed["step"] == 6
+    assert [f.stat().st_mtime_ns for f in data_files] == mtimes  # the data was not recomputed
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as a:
+        with safe_open(str(part / "model.safetensors"), "pt") as b:
+            for name in a.keys():
+                torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name))
+    with pytest.raises(te.DraftTrainError, match="other arguments"):
+        te.train(_opts(target, corpus, part, resume=True, lr=5e-4))
+
+    head = tmp_path / "full"
+    e3.check_head_for_target(head, target)
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["draft_vocab_size"] == 40 and cfg["rope_theta"] == 5000.0
+    with safe_open(str(head / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert names == set(e3.head_shapes(cfg)) | {"d2t", "t2d"}
+    draft_ids = torch.arange(40) + d2t
+    assert t2d.nonzero().flatten().tolist() == draft_ids.tolist()
+    # the draft vocabulary: the most frequent greedy tokens over the cached data
+    shards = [torch.load(p, weights_only=True) for p in sorted(data_files) if "train-" in p.name]
+    greedy = torch.cat([s["topk_ids"][..., 0].flatten() for s in shards]).long()
+    counts = torch.bincount(greedy, minlength=VOCAB)
+    assert counts[draft_ids].min() >= counts[~t2d].max()
+    meta = json.loads((head / e3.MARKER).read_text())
+    assert meta["aux_layers"] == [1, 2, 3] and meta["draft_vocab_size"] == 40
+    assert [r["step"] for r in meta["acceptance_curve"]] == [0, 3, 6]
+    assert all(len(r["acceptance"]) == 3 for r in meta["acceptance_curve"])
+    assert meta["train_tokens"] == 6 * 2 * 32 and meta["final"]
+
+
+def test_cli_parses_train_draft() -> None:
+    from vllm_adaptive.cli import build_parser
+
+    args = build_parser().parse_args(
+        "train draft --method eagle3 --model M --corpus a --corpus b --out H "
+        "--aux-layers 2,15,27".split()
+    )
+    opts = te.options_from_args(args)
+    assert opts.corpus == ["a", "b"] and opts.aux_layers == [2, 15, 27]
+    assert opts.draft_vocab == 8192 and opts.ttt_steps == 3 and opts.eval_k == 3
+
+
+def test_early_stop_keeps_the_best_head_and_stays_stopped(
+    target: Path, corpus: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "h"
+    res = te.train(_opts(target, corpus, out, patience=1, min_delta=10.0))
+    assert res["early_stop"] and res["step"] == 3  # the first eval after step 0 did not improve
+    meta = json.loads((out / e3.MARKER).read_text())
+    assert meta["best"]["step"] == 0 and meta["final"]
+    again = te.train(_opts(target, corpus, out, patience=1, min_delta=10.0, resume=True))
+    assert again["step"] == 3
