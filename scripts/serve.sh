@@ -2,7 +2,18 @@
 # Serve the default model (smollm2-135m-instruct) with the vllm-adaptive plugin on.
 #
 # Usage: bash scripts/serve.sh [extra `vllm serve` args, e.g. --port 8123 --enforce-eager]
-# Env:   ADAPTIVE_CONFIG        --additional-config JSON (default: {"adaptive": {}});
+#
+# Defaults follow what `vllm-adaptive bench-serve` measured (docs/results.md): the dtype and
+# config that serve fastest on this CPU with greedy output identical to stock vLLM's at that
+# dtype.
+#   - CPUs with native bf16 (avx512_bf16 / amx_bf16): the checkpoint's own bf16, the fastest
+#     stock setting there, with the plugin's mechanisms off ({"adaptive": {}}); the fp16 gear
+#     reads as many weight bytes as bf16 and its float32 compute changes the text.
+#   - Other CPUs (AVX2): --dtype float32, the fastest stock setting there, with the fixed fp16
+#     gear ({"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}): half the weight
+#     bytes, text identical to stock float32's.
+# A --dtype of your own picks the config for that dtype; ADAPTIVE_CONFIG overrides the config.
+# Env:   ADAPTIVE_CONFIG        --additional-config JSON (default: see above);
 #                               VLLM_ADAPTIVE_CONFIG, its old name, still works (deprecated:
 #                               vLLM warns about every VLLM_* variable it does not know)
 #        VLLM_PLUGINS           vLLM's plugin allowlist (default: the plugin's three entry
@@ -23,6 +34,35 @@ if [ -n "${VLLM_ADAPTIVE_CONFIG+set}" ]; then
     unset VLLM_ADAPTIVE_CONFIG # not vLLM's: it would warn "Unknown vLLM environment variable"
 fi
 
+# The dtype: the user's --dtype, else the fastest stock dtype of this CPU.
+dtype=""
+prev=""
+for a in "$@"; do
+    case "$a" in --dtype=*) dtype=${a#--dtype=} ;; esac
+    [ "$prev" = "--dtype" ] && dtype=$a
+    prev=$a
+done
+dtype_args=()
+if [ -z "$dtype" ]; then
+    flags=${SERVE_CPU_FLAGS:-$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)}
+    if grep -qwE 'avx512_bf16|amx_bf16' <<<"$flags"; then
+        dtype=auto
+    else
+        dtype=float32
+        dtype_args=(--dtype float32)
+    fi
+fi
+# (A literal `{"adaptive": {}}` inside ${...:-...} would mis-nest its braces.)
+case "$dtype" in
+    float32|float) default_config='{"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}' ;;
+    *) default_config='{"adaptive": {}}' ;;
+esac
+config=${ADAPTIVE_CONFIG:-$default_config}
+if [ -n "${SERVE_DRY_RUN:-}" ]; then  # what would be served, without serving it (tests)
+    printf 'dtype %s\nconfig %s\n' "$dtype" "$config"
+    exit 0
+fi
+
 bash "$root/scripts/setup-venv.sh"
 dir=$("$root/.venv/bin/vllm-adaptive" models prepare smollm2-135m-instruct | tail -n 1)
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
@@ -30,11 +70,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 # warns at every start when it is unset; VLLM_PLUGINS is also the allowlist of the other plugin
 # groups, so it names all three of the plugin's entry points.
 export VLLM_PLUGINS=${VLLM_PLUGINS-vllm_adaptive,vllm_adaptive_metrics,vllm_adaptive_routes}
-# (A literal `{"adaptive": {}}` inside ${...:-...} would mis-nest its braces.)
-default_config='{"adaptive": {}}'
-config=${ADAPTIVE_CONFIG:-$default_config}
 
-exec "$root/.venv/bin/vllm" serve "$dir" \
-    --served-model-name smollm2-135m-instruct \
-    --additional-config "$config" \
-    "$@"
+cmd=("$root/.venv/bin/vllm" serve "$dir" --served-model-name smollm2-135m-instruct
+     ${dtype_args[@]+"${dtype_args[@]}"} --additional-config "$config" "$@")
+exec "${cmd[@]}"
