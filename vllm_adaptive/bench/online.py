@@ -422,7 +422,7 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append("-")
                 continue
             q = s.get("agreement", {}).get(c)
-            agree = f"{q['identical']:.2f}" if q else "ref" if s["stock"] else "-"
+            agree = f"{q['identical']:.2f}" if q else "ref" if s["stock"] and not q else "-"
             cells.append(
                 f"{m['output_throughput']:.1f} ({m.get('x_output_throughput', float('nan')):.2f}x)"
                 f" / {m['median_tpot_ms']:.1f} / {m['median_ttft_ms']:.0f} / {agree}"
@@ -552,10 +552,14 @@ def run(
                     f"failed {kept['failed']}",
                     flush=True,
                 )
+    plain = {s.label for s in servers if s.stock and not s.serve_args}  # the references
     for rec in records.values():
-        ref = next((x for x in records.values() if x["stock"] and x["dtype"] == rec["dtype"]), None)
+        ref = next(
+            (x for x in records.values() if x["label"] in plain and x["dtype"] == rec["dtype"]),
+            None,
+        )
         rec["agreement"] = {}
-        if ref is None or rec["stock"]:
+        if ref is None or ref is rec:
             continue
         for c, texts in rec["texts"].items():
             if c in ref["texts"]:
@@ -563,6 +567,8 @@ def run(
                     "reference": ref["label"],
                     **agreement(texts, ref["texts"][c], tok),
                 }
+    for rec in records.values():
+        rec.pop("texts")  # kept in the run directory's client JSONs (--save-detailed)
     report = {
         "bench": "online",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
