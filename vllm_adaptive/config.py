@@ -119,7 +119,7 @@ class PrecisionConfig(_Strict):
     """policy "fixed": the precision every managed linear runs."""
     gears: GearMap | None = Field(None, strict=False)
     """(low, mid, high) precisions; default for gearbx (int4, int8, full) with bf16 / fp16
-    activations and (w8a8, fp16, full) with float32 ones (the fast kernels for each), and
+    activations and (w8a8, fp16, fp16) with float32 ones (the fast kernels for each), and
     (int2, int4, int8) for quicksilver."""
     routing: Literal["step", "token"] | None = None
     """"step": one gear per step for the whole batch (the most demanding request decides);

@@ -226,9 +226,9 @@ def test_controller_mirrors_the_persistent_batch(tmp_path, monkeypatch) -> None:
 def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
     """float32 engines get the gears with fast float32 kernels; bf16 ones the paper's."""
     cfg = parse_adaptive_config({"precision": {"policy": "gearbx"}}).precision
-    assert cfg.for_dtype("float32").level_gears == ("w8a8", "fp16", "full")
+    assert cfg.for_dtype("float32").level_gears == ("w8a8", "fp16", "fp16")
     assert cfg.for_dtype("bfloat16").level_gears == ("int4", "int8", "full")
-    assert cfg.for_dtype("float32").head_map == ("fp16", "fp16", "full")
+    assert cfg.for_dtype("float32").head_map == ("fp16", "fp16", "fp16")
     explicit = parse_adaptive_config(
         {"precision": {"policy": "gearbx", "gears": ["int4", "int8", "full"]}}
     ).precision
