@@ -51,21 +51,41 @@ def test_abba_order() -> None:
 
 
 def _run(tps: float, tpot: float, ttft: float) -> dict:
-    return {"output_throughput": tps, "median_tpot_ms": tpot, "median_ttft_ms": ttft,
-            "failed": 0, "completed": 8}
+    return {
+        "output_throughput": tps,
+        "median_tpot_ms": tpot,
+        "median_ttft_ms": ttft,
+        "failed": 0,
+        "completed": 8,
+    }
 
 
 def test_baseline_is_the_faster_stock_per_concurrency() -> None:
     servers = [
-        {"label": "stock bf16", "stock": True, "runs": {"1": [_run(30, 30, 100)],
-                                                        "8": [_run(50, 90, 300)]}},
-        {"label": "stock f32", "stock": True, "runs": {"1": [_run(20, 45, 120)],
-                                                       "8": [_run(100, 70, 200)]}},
-        {"label": "p", "stock": False, "runs": {"1": [_run(60, 15, 50), _run(40, 25, 150)],
-                                                "8": [_run(110, 60, 210)]}},
+        {
+            "label": "stock bf16",
+            "stock": True,
+            "runs": {"1": [_run(30, 30, 100)], "8": [_run(50, 90, 300)]},
+        },
+        {
+            "label": "stock f32",
+            "stock": True,
+            "runs": {"1": [_run(20, 45, 120)], "8": [_run(100, 70, 200)]},
+        },
+        {
+            "label": "stock+ngram",
+            "stock": True,
+            "serve_args": ["--speculative-config", "{}"],
+            "runs": {"1": [_run(90, 10, 100)], "8": [_run(200, 30, 200)]},
+        },
+        {
+            "label": "p",
+            "stock": False,
+            "runs": {"1": [_run(60, 15, 50), _run(40, 25, 150)], "8": [_run(110, 60, 210)]},
+        },
     ]
     summ = online.summarize(servers, [1, 8])
-    assert summ["baseline"] == {"1": "stock bf16", "8": "stock f32"}
+    assert summ["baseline"] == {"1": "stock bf16", "8": "stock f32"}  # never stock+ngram
     p1 = summ["servers"]["p"]["1"]
     assert p1["output_throughput"] == 50 and p1["output_throughput_range"] == [40, 60]
     assert p1["x_output_throughput"] == pytest.approx(50 / 30)

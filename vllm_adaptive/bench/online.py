@@ -382,7 +382,10 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
         rows[s["label"]] = per_c
     baseline = {}
     for c in map(str, concurrencies):
-        stock = [s for s in servers if s["stock"] and c in rows[s["label"]]]
+        # the baseline is plain stock: a stock server with a drafter is one of the compared rows
+        stock = [
+            s for s in servers if s["stock"] and not s.get("serve_args") and c in rows[s["label"]]
+        ]
         if stock:
             best = max(stock, key=lambda s: rows[s["label"]][c]["output_throughput"])
             baseline[c] = best["label"]
@@ -508,6 +511,7 @@ def run(
             "dtype": s.dtype,
             "stock": s.stock,
             "adaptive": s.adaptive,
+            "serve_args": list(s.serve_args),
             "serve_command": serve_command(s, 0),  # port 0: a free port at each start
             "serve_env": serve_env(s),
             "plugin_loaded": not s.stock,
