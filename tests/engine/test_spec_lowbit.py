@@ -21,9 +21,7 @@ K = 4
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path):
-    llm = spec.spec_engine(
-        model_dir, {"draft": "lowbit", "precision": "int4", "symmetric": True}, K
-    )
+    llm = spec.spec_engine(model_dir, spec.LOWBIT_DRAFT, K)
     yield llm
     shutdown(llm)
 

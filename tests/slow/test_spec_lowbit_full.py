@@ -22,9 +22,7 @@ STAT_SAMPLES = 1200
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path):
-    llm = spec.spec_engine(
-        model_dir, {"draft": "lowbit", "precision": "int4", "symmetric": True}, K
-    )
+    llm = spec.spec_engine(model_dir, spec.LOWBIT_DRAFT, K)
     yield llm
     shutdown(llm)
 

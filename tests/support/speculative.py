@@ -28,6 +28,11 @@ def spec_engine(model_dir: Path, draft: dict, k: int) -> Any:
     )
 
 
+#: The low-bit self-draft of the engine tests: symmetric absmax int4, off the default model's
+#: Q4_1 grid, so drafts are often rejected.
+LOWBIT_DRAFT = {"draft": "lowbit", "precision": "int4", "symmetric": True}
+
+
 def random_m2r2_adapter(model_dir: Path, out: Path) -> Path:
     """A spec-mode adapter (k=3, rank 4) with random non-zero up-projections, so every delta of
     the accelerated stream is exercised (trained adapters' quality is the bench's business)."""
