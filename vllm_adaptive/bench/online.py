@@ -242,16 +242,26 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serving(spec: ServerSpec, log: Path, kv_gib: int = 4) -> Iterator[Started]:
+def serving(
+    spec: ServerSpec, log: Path, kv_gib: int = 4, profile_dir: Path | None = None
+) -> Iterator[Started]:
+    """``spec`` served until the block ends; ``profile_dir``: with vLLM's torch profiler ready
+    (``/start_profile``), its scopes on (never for timed runs: the scopes cost time)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **serve_env(spec), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
     if spec.stock:
         env.pop("ADAPTIVE_CONFIG", None)
+    cmd = serve_command(spec, port)
+    if profile_dir is not None:
+        from vllm_adaptive.bench.server_profile import profiler_serve_args
+
+        cmd += profiler_serve_args(profile_dir)
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            serve_command(spec, port),
+            cmd,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -601,6 +611,85 @@ def run(
     return report
 
 
+def _wait_for_trace(directory: Path, before: set[Path], timeout: float = 300) -> Path | None:
+    """The engine trace written after ``before`` was listed, once its size stops changing."""
+
+    t0, last = time.perf_counter(), (None, -1)
+    while time.perf_counter() - t0 < timeout:
+        found = [p for p in directory.rglob("*.pt.trace.json*") if p not in before]
+        if found:
+            path = max(found, key=lambda p: p.stat().st_size)
+            size = path.stat().st_size
+            if (path, size) == last:
+                return path
+            last = (path, size)
+        time.sleep(3)
+    return None
+
+
+def profile(
+    servers: Sequence[ServerSpec],
+    corpora: Sequence[str],
+    out_dir: Path,
+    concurrency: Sequence[int] = (1, 8),
+    prompt_tokens: int = 100,
+    output_len: int = 32,
+) -> dict[str, Any]:
+    """Each server once, recorded by vLLM's torch profiler while `vllm bench serve --profile`
+    sends ``max(4, c)`` requests at each concurrency ``c``: where a decode step's time goes
+    (:mod:`vllm_adaptive.bench.server_profile`). Not a speed measurement: the profiler and
+    vLLM's scopes slow every op; compare the parts, not the totals, with the timed bench."""
+    from vllm_adaptive.bench.env import cpu_info, versions
+    from vllm_adaptive.bench.server_profile import load_trace, step_profile
+    from vllm_adaptive.bench.server_profile import markdown as profile_markdown
+    from vllm_adaptive.model_zoo import prepare
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare(quiet=True)
+    prompts_path = out_dir / "prompts.jsonl"
+    n_max = max(max(4, c) for c in concurrency)
+    write_prompts(model_dir, corpora, n_max, prompt_tokens, prompts_path)
+    result: dict[str, Any] = {
+        "bench": "online-profile",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "env": {"cpu": cpu_info(), "versions": versions("vllm", "torch", "vllm-adaptive")},
+        "args": {"concurrency": list(concurrency), "output_len": output_len},
+        "profiles": {},
+    }
+    for i, spec in enumerate(servers):
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", spec.label).strip("-")
+        trace_dir = (out_dir / f"trace-{slug}").resolve()
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[bench-serve] profile {i + 1}/{len(servers)}: {spec.label}", flush=True)
+        with serving(spec, out_dir / f"server-{slug}-profile.log", profile_dir=trace_dir) as srv:
+            _complete(srv.url, "The capital of France is", 16)  # warm, not recorded
+            for c in concurrency:
+                before = set(trace_dir.rglob("*.pt.trace.json*"))
+                name = f"{slug}-c{c}-profile.json"
+                cmd = client_command(
+                    srv.url, model_dir, prompts_path, c, max(4, c), output_len, out_dir, name
+                )
+                run_client(
+                    [*cmd, "--profile"], out_dir / f"client-{slug}-c{c}-profile.log", out_dir / name
+                )
+                trace = _wait_for_trace(trace_dir, before)
+                key = f"{spec.label} @{c}"
+                if trace is None:
+                    result["profiles"][key] = {"error": f"no trace written in {trace_dir}"}
+                    continue
+                prof = step_profile(load_trace(trace))
+                prof["trace"] = str(trace)
+                result["profiles"][key] = prof
+                print(
+                    f"[bench-serve]   {c:>3} concurrent: {prof.get('step_ms')} ms per decode "
+                    f"step over {prof.get('decode_steps')} steps",
+                    flush=True,
+                )
+    (out_dir / "profile.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "profile.md").write_text(profile_markdown(result["profiles"]))
+    return result
+
+
 def default_corpora(cache: Path) -> list[str]:
     """The project's two corpora (code always; prose where Debian's package is installed)."""
     from vllm_adaptive.corpora import default_code_corpus, default_prose_corpus
@@ -654,6 +743,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="requests per concurrency: max(this, 4 x concurrency)",
     )
     p.add_argument("--out", type=Path, default=Path("runs/online"))
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: start each server once under vLLM's torch profiler and write "
+        "where a decode step's time goes at each --concurrency (profile.json / profile.md)",
+    )
     args = p.parse_args(argv)
     if shutil.which("bash") is None:
         raise SystemExit("bench-serve: needs bash (scripts/serve.sh)")
@@ -671,6 +766,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.server and not args.no_stock:
         servers = [s for s in default_servers(flags) if s.stock] + servers
     corpora = args.corpus or default_corpora(Path.home() / ".cache" / "vllm-adaptive" / "corpora")
+    if args.profile:
+        profile(servers, corpora, args.out, args.concurrency, args.prompt_tokens)
+        print((args.out / "profile.md").read_text())
+        print(f"[bench-serve] {args.out / 'profile.json'}")
+        return 0
     report = run(
         servers,
         corpora,
