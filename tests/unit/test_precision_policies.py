@@ -165,11 +165,11 @@ def test_layer_maps_and_defaults() -> None:
     assert fx.layer_map(7, 30) == ("int2", "int2", "int2")
 
 
-def _controller(policy: str = "gearbx"):
+def _controller(policy: str = "gearbx", **settings):
     from vllm_adaptive.precision.controller import PrecisionController
     from vllm_adaptive.precision.policies import build_policy
 
-    cfg = parse_adaptive_config({"precision": {"policy": policy}}).precision
+    cfg = parse_adaptive_config({"precision": {"policy": policy, **settings}}).precision
     return PrecisionController(cfg, build_policy(cfg, V), [], tokenizer_path=None)
 
 
@@ -281,3 +281,34 @@ def test_precision_telemetry_counts_decode_tokens_gears_and_shifts(tmp_path, mon
     assert stats["layers_executed"] == 120 and stats["exit_tokens"] == {"30": 4}
     assert stats["requests_finished"] == 1 and stats["decision_seconds"] == pytest.approx(0.007)
     assert stats["forward_seconds"] > 0
+
+
+def test_fixed_gear_costs_no_entropy_and_no_prompt_decode(monkeypatch) -> None:
+    """The fixed policy reads neither: the controller skips the per-step pass over the
+    vocabulary and the per-request prompt decode, and still records each token's gear; GEARBX
+    (a reader of both) still gets its entropies."""
+    import numpy as np
+
+    from vllm_adaptive.overrides import parse_overrides
+    from vllm_adaptive.precision import controller as ctl
+
+    calls = {"entropy": 0}
+
+    def counting(logits):
+        calls["entropy"] += 1
+        return entropy_bits(logits)
+
+    monkeypatch.setattr(ctl, "entropy_bits", counting)
+    for policy, entropy_calls in (("fixed", 0), ("gearbx", 1)):
+        calls["entropy"] = 0
+        c = _controller(policy, **({"gear": "fp16"} if policy == "fixed" else {}))
+        monkeypatch.setattr(c, "_prompt_text", lambda ids: pytest.fail("prompt decoded"))
+        if policy == "gearbx":
+            monkeypatch.setattr(c, "_prompt_text", lambda ids: None)
+        c.slots[0] = c._new_slot(parse_overrides(None), [1, 2, 3])
+        c.plan = ctl.StepPlan(1, np.array([HIGH]), None, np.array([3]), np.array([0, 1]))
+        c.observe_logits(torch.randn(1, V))
+        assert calls["entropy"] == entropy_calls
+        rec = c.slots[0].record(c.policy, [])
+        assert rec["gears"] == ["high"]
+        assert len(rec["entropy_bits"]) == entropy_calls

@@ -78,3 +78,49 @@ def test_controller_offloads_tiers_the_step_does_not_use(weight: torch.Tensor) -
     assert tiers.resident_bytes("int4") < held
     assert torch.equal(geared.run(x, "int4"), y_int4)  # restored on use
     assert "int4" not in tiers.released and tiers.resident_bytes("int4") == held
+
+
+def test_uniform_steps_take_the_fast_call_and_it_matches_the_grouped_path(
+    weight: torch.Tensor,
+) -> None:
+    """A step whose rows all run one gear calls that gear's kernel straight from the op
+    (``GearedLinear.fast``, set by the controller when the code changes); a token-routed step
+    with mixed gears goes back to the grouped path. Both give the same output, through the op
+    the compiled graph calls."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_adaptive.config import parse_adaptive_config
+    from vllm_adaptive.gears import HIGH, LOW
+    from vllm_adaptive.precision.controller import PrecisionController, StepPlan
+    from vllm_adaptive.precision.linear import GearedLinear
+    from vllm_adaptive.precision.policies import build_policy
+
+    cfg = parse_adaptive_config(
+        {"precision": {"policy": "gearbx", "gears": ["int4", "int8", "fp16"], "routing": "token"}}
+    ).precision
+    controller = PrecisionController(cfg, build_policy(cfg, 32768), [], tokenizer_path=None)
+    tiers = LinearTiers.build(weight, {"int4", "int8", "fp16", "full"}, "independent", 32, True)
+    tiers.prepare(torch.float32)
+    full = SimpleNamespace(apply=lambda layer, x, bias=None: x @ layer.weight.t())
+    layer = SimpleNamespace(weight=weight, bias=None)
+    geared = GearedLinear(layer, "l0", (*cfg.level_gears, "full"), tiers, full, controller)
+    controller.geared = [geared]
+    x = torch.randn(3, 128)
+
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.vllm_adaptive.geared_linear(x, geared.index, weight.shape[0])
+
+    for code, precision in ((LOW, "int4"), (HIGH, "fp16"), (3, "full")):
+        controller.plan = StepPlan(1, np.array([code]), None, None, None)
+        controller._set_uniform(code)
+        assert geared.fast is not None
+        assert torch.equal(op(x), geared.run(x, precision)), precision
+    mixed = torch.tensor([LOW, HIGH, LOW])
+    controller.plan = StepPlan(2, np.array([LOW, HIGH]), mixed, None, None)
+    controller._set_uniform(None)
+    assert geared.fast is None
+    got = op(x)
+    torch.testing.assert_close(got[1], geared.run(x[1:2], "fp16")[0])
+    torch.testing.assert_close(got[[0, 2]], geared.run(x[[0, 2]], "int4"))

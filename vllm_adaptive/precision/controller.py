@@ -114,6 +114,8 @@ class PrecisionController:
         )
         self.slots = self.mirror.slots
         self.plan: StepPlan | None = None
+        self.geared: list = []  # the engine's GearedLinears (models/precision.py fills it)
+        self._uniform_code: int | None = None  # the code every geared linear's fast call runs
         self.finished: list[dict[str, Any]] = []
         self.max_finished = 4096
         self.requests_seen = 0
@@ -146,7 +148,8 @@ class PrecisionController:
             pinned = OFF
         elif overrides.gear is not None:
             pinned = LEVEL_NAMES.index(overrides.gear)
-        state = self.policy.start(self._prompt_text(prompt_ids) if pinned is None else None)
+        reads = pinned is None and self.policy.reads_prompt()
+        state = self.policy.start(self._prompt_text(prompt_ids) if reads else None)
         prefill = pinned if pinned is not None else self.policy.prefill_level(state)
         return Slot(
             tag=tag,
@@ -182,6 +185,7 @@ class PrecisionController:
         ):
             # A dummy / profiling run, or a batch we cannot map: everything at the high gear.
             self.plan = StepPlan(0, np.full(1, HIGH), None, None, None, pending_logits=False)
+            self._set_uniform(HIGH)
             return
         last = positions[torch.from_numpy(qsl[1:] - 1).to(positions.device)].cpu().numpy()
         codes = np.array(
@@ -197,7 +201,22 @@ class PrecisionController:
         self.plan = StepPlan(num_reqs, codes, token_codes, last, qsl)
         if self.config.offload_inactive:
             self.offload_inactive(set(codes.tolist()) | self._prewarm_codes())
+        # Every row of every layer runs one code unless tokens are routed apart (step routing:
+        # the most demanding request decides, as in ``groups``).
+        self._set_uniform(int(codes.max()) if token_codes is None and num_reqs else None)
         self.stats.step_started(time.perf_counter() - t0)
+
+    def _set_uniform(self, code: int | None) -> None:
+        """Point each geared linear's fast call at ``code``'s kernel (None: the grouped path).
+        Tiers that come and go (``offload_inactive``) always take the grouped path, which
+        restores them."""
+        if self.config.offload_inactive:
+            code = None
+        if code == self._uniform_code:
+            return
+        self._uniform_code = code
+        for g in self.geared:
+            g.fast = None if code is None else g.call_for(g.level_precisions[code])
 
     def _prewarm_codes(self) -> set[int]:
         """Levels the policies expect next (GEARBX section 3.5): kept resident."""
@@ -209,7 +228,7 @@ class PrecisionController:
         if codes == getattr(self, "_resident_codes", None):
             return
         self._resident_codes = set(codes)
-        for g in getattr(self, "geared", []):
+        for g in self.geared:
             keep = {g.level_precisions[c] for c in codes}
             for precision in g.tiers.tiers:
                 if precision not in keep and precision not in g.tiers.released:
@@ -259,14 +278,18 @@ class PrecisionController:
             return  # prompt-logprob rows, dummy runs, or speculative layouts: not a sampled step
         plan.pending_logits = False
         t0 = time.perf_counter()
-        ent = entropy_bits(logits).tolist()
+        if self.policy.reads_entropy:
+            ent = entropy_bits(logits).tolist()
+        else:  # the policy ignores it: no pass over the vocabulary per request
+            ent = [None] * plan.num_reqs
         rows = []
         with self._lock:
             for i, e in enumerate(ent):
                 slot = self.slots.get(i)
                 if slot is None or plan.last_positions[i] + 1 < slot.prompt_len:
                     continue  # a partial prefill chunk: its sample is discarded
-                slot.entropies.append(e)
+                if e is not None:
+                    slot.entropies.append(e)
                 slot.codes.append(int(plan.codes[i]))
                 self.policy.observe(slot.state, e)
                 c, decode = slot.codes, bool(plan.last_positions[i] >= slot.prompt_len)
@@ -290,13 +313,13 @@ class PrecisionController:
 
     # -- telemetry -----------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
-        return resident_bytes(getattr(self, "geared", []))
+        return resident_bytes(self.geared)
 
     def level_byte_ratios(self) -> dict[str, float]:
         """Weight bytes a step at each gear level reads, relative to the float weights."""
         from vllm_adaptive.flops import BYTES_PER_PARAM
 
-        geared = getattr(self, "geared", [])
+        geared = self.geared
         total = sum(g.full_bytes for g in geared) or 1
 
         def nbytes(g, precision: str) -> float:
@@ -318,7 +341,7 @@ class PrecisionController:
             "layer_maps": [list(m) for m in self.layer_maps],
             "resident_bytes": self.resident_bytes(),
             "level_byte_ratios": self.level_byte_ratios(),
-            "nested_gemms": sum(g.nested_calls for g in getattr(self, "geared", [])),
+            "nested_gemms": sum(g.nested_calls for g in self.geared),
             "finished": list(self.finished),
             "live": live,
         }

@@ -15,6 +15,9 @@ same way (its tiers are copies: the embedding it may be tied to keeps its float 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from vllm_adaptive.engine.vllm_api import LinearMethodBase
@@ -48,8 +51,24 @@ class GearedLinear:
         w = layer.weight
         self.full_bytes = w.numel() * w.element_size()
         self.nested_calls = 0  # mixed W8A8 / W8A16 batches served by one GEMM
+        # ``x -> y`` at the one precision every row of this step runs (set by the controller
+        # each time that changes); None: rows may differ, ``forward`` groups them
+        self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.index = len(_LINEARS)
         _LINEARS.append(self)
+
+    def call_for(self, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The whole layer at ``precision`` as one callable: the hot path of a step whose rows
+        all run one gear (one Python frame between the op and the kernel's dispatch)."""
+        bias = self.layer.bias
+        if precision == "full":
+            return functools.partial(self.base_method.apply, self.layer, bias=bias)
+        packed = self.tiers.tiers[precision]
+        if packed is None or precision in self.tiers.released:
+            return functools.partial(self.run, precision=precision)
+        if bias is None:
+            return functools.partial(linear, packed)
+        return lambda x: linear(packed, x) + bias
 
     def autotune(self, max_tokens: int) -> None:
         """Measure this layer's float-activation tiers' kernels (once per precision and shape
@@ -101,7 +120,9 @@ class GearedLinear:
 
 
 def _geared_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
-    return _LINEARS[index].forward(x)
+    g = _LINEARS[index]
+    fast = g.fast
+    return fast(x) if fast is not None else g.forward(x)
 
 
 def _geared_linear_fake(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -137,7 +158,8 @@ class GearedLinearMethod(LinearMethodBase):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if x.dim() == 2 and not torch.compiler.is_compiling():
-            return self.geared.forward(x)  # eager: skip the op dispatch (~10 us per call)
+            g = self.geared  # eager: skip the op dispatch (~10 us per call)
+            return g.fast(x) if g.fast is not None else g.forward(x)
         lead = x.shape[:-1]
         out = torch.ops.vllm_adaptive.geared_linear(
             x.reshape(-1, x.shape[-1]), self.geared.index, self.geared.tiers.shape[0]

@@ -35,6 +35,9 @@ class GearPolicy(ABC):
     """Decides gear levels from output entropy. One instance per engine."""
 
     name: str = "base"
+    #: the controller computes each sampled row's entropy only for policies that read it (an
+    #: entropy over the vocabulary per request per step is not free on a CPU)
+    reads_entropy: bool = True
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -52,6 +55,11 @@ class GearPolicy(ABC):
 
         Default: the request's starting level."""
         return state.level
+
+    def reads_prompt(self) -> bool:
+        """Whether ``start`` looks at the prompt text (the controller then decodes each new
+        request's prompt; otherwise ``start`` gets None)."""
+        return True
 
     @property
     def wants_calibration(self) -> bool:

@@ -10,10 +10,14 @@ class FixedGear(GearPolicy):
     """Always the high level; the config maps all three levels to the fixed precision."""
 
     name = "fixed"
+    reads_entropy = False
+
+    def reads_prompt(self) -> bool:
+        return False
 
     def start(self, prompt_text: str | None) -> RequestGearState:
         return RequestGearState(level=HIGH)
 
-    def observe(self, state: RequestGearState, entropy_bits: float) -> int:
+    def observe(self, state: RequestGearState, entropy_bits: float | None) -> int:
         state.tokens_in_gear += 1
         return state.level

@@ -76,6 +76,9 @@ class GearbxMonitor(GearPolicy):
         self.calibrated = True
 
     # -- per request ---------------------------------------------------------------------------
+    def reads_prompt(self) -> bool:
+        return self.settings.cold_start
+
     def start(self, prompt_text: str | None) -> GearbxState:
         level = cold_start_level(prompt_text) if (self.settings.cold_start and prompt_text) else MID
         return GearbxState(level=level, window=[])

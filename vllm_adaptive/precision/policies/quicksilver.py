@@ -37,6 +37,9 @@ class QuickSilverTiers(GearPolicy):
             raise ValueError("quicksilver.min_history must not exceed quicksilver.history")
         self.settings = s
 
+    def reads_prompt(self) -> bool:
+        return False
+
     def start(self, prompt_text: str | None) -> RequestGearState:
         return RequestGearState(level=HIGH)
 
