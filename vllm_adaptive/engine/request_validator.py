@@ -84,13 +84,16 @@ def validate_overrides(
 
 def engine_request_check(vllm_config: Any) -> Callable[[Any], None]:
     """The per-request check of one engine, knowing its adaptive config (see
-    :mod:`vllm_adaptive.engine.intrusions`, which calls it where vLLM holds the engine's config)."""
-    from vllm_adaptive.config import AdaptiveConfigError, adaptive_config_from_vllm
+    :mod:`vllm_adaptive.engine.intrusions`, which calls it where vLLM holds the engine's config).
 
-    try:
-        adaptive = adaptive_config_from_vllm(vllm_config)
-    except AdaptiveConfigError:
-        adaptive = ENGINE_UNKNOWN  # the engine refuses to start with it and says why
+    vLLM builds it in the front end before it starts any engine process, so a bad adaptive
+    config (or one for an architecture without an adaptive class) raises
+    :class:`~vllm_adaptive.config.AdaptiveConfigError` here, in seconds, instead of after the
+    engine has loaded the model."""
+    from vllm_adaptive.config import adaptive_config_from_vllm
+
+    adaptive = adaptive_config_from_vllm(vllm_config)
+    check_architecture_supported(vllm_config)
 
     def check(params: Any) -> None:
         if isinstance(params, SamplingParams):
