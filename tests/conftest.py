@@ -8,6 +8,9 @@ The tier of a test is the folder it lives in, and its marker is applied here fro
 - ``tests/server``: real ``vllm serve`` processes (``-m server``);
 - ``tests/slow``: the full suite only (``-m slow``; ``bash scripts/test.sh --all``).
 
+One exception: a test of an engine module marked ``@pytest.mark.slow`` in place runs in the full
+suite only, on its module's engine (a long check whose cheap siblings stay in the default tier).
+
 Expensive shared inputs (the stock references, the calibrated exit profile) are built once and
 kept on disk keyed by the model, versions, ISA and the code that makes them
 (``tests/support/artifacts.py``), so concurrent workers (``pytest -n 2``) share them.

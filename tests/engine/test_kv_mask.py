@@ -39,6 +39,8 @@ def _mask_stats(model) -> dict:
     return mask_stats()
 
 
+@pytest.mark.slow  # the full suite: 265 s on an AVX2 EPYC; tests/engine/test_depth_engine.py
+# runs the same audit workload in the default tier
 def test_masked_slots_never_contribute(llm) -> None:
     moved = kv.workload(llm, 1, "mask")
     report = llm.apply_model(audit_report)[0]

@@ -41,6 +41,8 @@ def test_exits_off_is_stock(llm, stock_bf16: dict) -> None:
     kv.check_exits_off_is_stock(llm, stock_bf16)
 
 
+@pytest.mark.slow  # the full suite: 98 s on an AVX2 EPYC; tests/engine/test_depth_engine.py
+# runs the same audit workload in the default tier
 def test_every_slot_has_kv_at_every_layer(llm) -> None:
     moved = kv.workload(llm, 2, "prop")
     report = llm.apply_model(audit_report)[0]
