@@ -222,9 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     kernels = sub.add_parser("kernels", help="CPU linear kernels on this machine")
     kernels_sub = kernels.add_subparsers(dest="kernels_command", required=True)
     kmeasure = kernels_sub.add_parser(
-        "measure", help="time every float32-activation kernel at the default model's shapes"
+        "measure", help="time every linear kernel at the default model's shapes (--dtype)"
     )
     kmeasure.add_argument("--tokens", default="1,8,32", help="token counts (default 1,8,32)")
+    kmeasure.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="activation dtype: the engine's (default float32)",
+    )
     kmeasure.add_argument("--json", metavar="OUT.json", help="write the measurements here")
     kmeasure.add_argument("--quiet", action="store_true", help="only the table")
     kmeasure.set_defaults(func=_cmd_kernels_measure)

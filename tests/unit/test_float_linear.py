@@ -15,6 +15,7 @@ from vllm_adaptive.kernels.float_linear import (
     Fp16Weight,
     W8A8Weight,
     W8A16Weight,
+    amx_int8_available,
     nested_w8a8_w8a16,
     quantize_per_token,
     smoothing_factors,
@@ -119,6 +120,68 @@ def test_w8a16_is_the_int8_weight_times_two_activation_planes(m: int) -> None:
         err16 = (y.double() - exact_weight_only).abs().max()
         err8 = (w16.base.bind("reference")(x).double() - exact_weight_only).abs().max()
         assert err16 < err8 / 20, (name, err16, err8)
+
+
+needs_amx = pytest.mark.skipif(
+    not amx_int8_available(), reason="no AMX int8 GEMM on this CPU (vLLM's sgl kernel)"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_w8a8_on_amx_takes_bf16_and_matches_the_per_token_reference(m: int) -> None:
+    w, x = _w(), _x(m).bfloat16()
+    q = W8A8Weight.from_float(w)
+    y = q.amx_call()(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, N)
+    ref = torch.nn.functional.linear(quantize_per_token(x.float()), q.dequantize())
+    # the kernel rounds the product to bf16 (8 significant bits)
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 4, 17])
+def test_w8a16_on_amx_has_only_the_weights_error(m: int) -> None:
+    w, x = _w(), _x(m)
+    x[:, 7] *= 50.0  # an outlier channel coarsens a one-plane quantization of every row
+    x = x.bfloat16()
+    w16 = W8A16Weight.from_float(w)
+    y = w16.amx_call()(x).double()
+    weight_only = x.double() @ w16.base.dequantize().double().t()
+    w8a8 = w16.base.amx_call()(x).double()
+    err16 = (y - weight_only).abs().max()
+    err8 = (w8a8 - weight_only).abs().max()
+    # what is left is the bf16 rounding of the two halves' outputs (8 significant bits each)
+    assert err16 < 2 * 2**-8 * weight_only.abs().max(), float(err16)
+    assert err16 < err8 / 4, (float(err16), float(err8))
+
+
+@needs_amx
+def test_linear_runs_bf16_rows_on_amx_and_float32_rows_on_the_float32_kernels() -> None:
+    from vllm_adaptive.kernels.weights import half_call, linear
+
+    w = _w()
+    for weight in (W8A8Weight.from_float(w), W8A16Weight.from_float(w)):
+        x = _x(3).bfloat16()
+        assert half_call(weight) is not None
+        torch.testing.assert_close(linear(weight, x), weight.amx_call()(x), rtol=0, atol=0)
+        x32 = _x(3)
+        assert linear(weight, x32).dtype == torch.float32
+    assert half_call(Fp16Weight.from_float(w)) is None
+
+
+def test_half_activations_fall_back_to_float32_kernels_where_amx_cannot_run() -> None:
+    """Any machine: a shape without whole AMX tiles (N = 24) still multiplies bf16 rows."""
+    from vllm_adaptive.kernels.weights import linear
+
+    w = torch.randn(24, K, generator=torch.Generator().manual_seed(3)) * 0.02
+    q = W8A8Weight.from_float(w)
+    assert q.amx_call() is None
+    x = _x(2).bfloat16()
+    y = linear(q, x)
+    assert y.dtype == torch.bfloat16
+    ref = torch.nn.functional.linear(quantize_per_token(x.float()), q.dequantize())
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 3e-2
 
 
 def test_nested_w8a8_w8a16_rows_equal_each_gear_alone() -> None:

@@ -121,6 +121,11 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
         ),
     ),
     "envs": ("vllm.envs", None, ("depth.peeling",)),
+    "check_cpu_sgl_kernel": (
+        "vllm.model_executor.layers.utils",
+        "check_cpu_sgl_kernel",
+        ("kernels.measure",),
+    ),
     "flash_attn_with_kvcache": (
         "vllm.vllm_flash_attn",
         "flash_attn_with_kvcache",

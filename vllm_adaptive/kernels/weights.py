@@ -88,12 +88,33 @@ def kernel_name(weight: Weight, tokens: int, dtype: torch.dtype) -> str:
     return choose_path_cached(weight, tokens, dtype)
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+_NO_HALF = "none"  # ``prepared`` marker: this weight has no half-precision kernel here
+
+
+def half_call(weight: Weight):
+    """``x -> x @ W^T`` for bf16 / fp16 ``x`` without a float32 round trip (W8A8 / W8A16 on the
+    AMX int8 GEMM), bound once per weight; None where none runs (the float32 kernels then)."""
+    if not isinstance(weight, (W8A8Weight, W8A16Weight)):
+        return None
+    fn = weight.prepared.get(("half", "call"))
+    if fn is None:
+        fn = weight.amx_call() or _NO_HALF
+        weight.prepared[("half", "call")] = fn
+    return None if fn is _NO_HALF else fn
+
+
 def linear(weight: Weight, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W^T`` for 2-D ``x``, in x's dtype (float-activation formats compute in float32)."""
+    """``x @ W^T`` for 2-D ``x``, in x's dtype (float-activation formats compute in float32,
+    except W8A8 / W8A16 on half-precision activations where AMX runs them: :func:`half_call`)."""
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
     xc = x if x.is_contiguous() else x.contiguous()
     if isinstance(weight, FLOAT_FORMATS):
+        if x.dtype in HALF_DTYPES:
+            fn = half_call(weight)
+            if fn is not None:
+                return fn(xc)
         m = x.shape[0]
         fn = weight.prepared.get(("tokens", m))  # hot path: one dict lookup per call
         if fn is None:
