@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from vllm_adaptive.gears import (
     GEARBX_GEARS,
+    GEARBX_GEARS_AMX,
     GEARBX_GEARS_F32,
     QUICKSILVER_GEARS,
     Precision,
@@ -131,9 +132,11 @@ class PrecisionConfig(_Strict):
     """Which linears are geared; ``lm_head`` is the output projection (a copy of the weights
     when they are tied to the embedding, which keeps its float weight)."""
     head_gears: GearMap | None = Field(None, strict=False)
-    """(low, mid, high) precisions of the LM head. Default: ``fp16`` at every level whose layer
-    precision is not ``full`` (an int4 / int8 head costs agreement that fp16 keeps), ``full``
-    where it is."""
+    """(low, mid, high) precisions of the LM head. Default on float32 engines: ``fp16`` at every
+    level whose layer precision is not ``full`` (an int4 / int8 head costs agreement that fp16
+    keeps), ``full`` where it is; on bf16 / fp16 engines the head's own weight at every level
+    (fp16 weights compute in float32 there: as many bytes as bf16, and 4x slower than vLLM's
+    bf16 GEMM at 8 tokens on an AMX Xeon)."""
     smoothing: SmoothingConfig | None = None
     """SmoothQuant smoothing of the ``w8a8`` tiers, from a profile made by
     ``vllm-adaptive calibrate --smoothing``."""
@@ -197,13 +200,26 @@ class PrecisionConfig(_Strict):
             raise ValueError("quicksilver.tau_low must be below quicksilver.tau_high")
         return self
 
-    def for_dtype(self, dtype_name: str) -> PrecisionConfig:
-        """This config with the dtype-dependent defaults filled in (``dtype_name``: the
-        model's activation dtype, e.g. "float32"); errors name the key."""
-        if self.gears is not None or self.policy != "gearbx" or dtype_name != "float32":
-            resolved = self
-        else:
-            resolved = self.model_copy(update={"gears": GEARBX_GEARS_F32})
+    def for_dtype(self, dtype_name: str, amx_int8: bool = False) -> PrecisionConfig:
+        """This config with the dtype- and machine-dependent defaults filled in (``dtype_name``:
+        the model's activation dtype, e.g. "float32"; ``amx_int8``: the CPU runs vLLM's AMX
+        int8 GEMM, :func:`vllm_adaptive.kernels.float_linear.amx_int8_available`); errors name
+        the key."""
+        update: dict[str, Any] = {}
+        half = dtype_name != "float32"
+        if self.gears is None and self.policy == "gearbx":
+            if not half:
+                update["gears"] = GEARBX_GEARS_F32
+            elif amx_int8:
+                update["gears"] = GEARBX_GEARS_AMX
+        if half and self.head_gears is None and "lm_head" in self.modules:
+            if self.modules == ("lm_head",):
+                raise ValueError(
+                    f'"modules" names only lm_head, which a {dtype_name} engine runs at its own '
+                    'weight by default: name its "head_gears"'
+                )
+            update["head_gears"] = ("full", "full", "full")
+        resolved = self.model_copy(update=update) if update else self
         if resolved.smoothing is not None and "w8a8" not in {
             *resolved.level_gears,
             *(p for g in resolved.layer_groups for p in g.gears),
@@ -241,7 +257,8 @@ class PrecisionConfig(_Strict):
         if "lm_head" not in self.modules:
             return None
         if self.head_gears is not None:
-            return self.head_gears
+            # a head at its own weight at every level is not geared at all
+            return None if set(self.head_gears) == {"full"} else self.head_gears
         return tuple("full" if g == "full" else "fp16" for g in self.level_gears)  # type: ignore[return-value]
 
     def layer_map(self, layer: int, num_layers: int) -> GearMap:

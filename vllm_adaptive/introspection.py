@@ -96,5 +96,18 @@ def kernel_dispatch(model: Any) -> dict[str, Any]:
     """The float-activation kernels this worker measured and picked per format, shape and
     token-count bucket, and the machine they were measured on (``kernels/autotune.py``)."""
     from vllm_adaptive.kernels import autotune
+    from vllm_adaptive.kernels.weights import HALF_DTYPES, half_call
 
-    return {"machine": autotune.cpu_info(), "dispatch": autotune.table().summary()}
+    half: dict[str, int] = {}  # precision -> geared linears whose bf16 rows run the AMX GEMM
+    controller = getattr(model, "precision", None)
+    for g in getattr(controller, "geared", None) or ():
+        if g.layer.weight.dtype not in HALF_DTYPES:
+            continue
+        for precision, tier in g.tiers.tiers.items():
+            if tier is not None and half_call(tier) is not None:
+                half[precision] = half.get(precision, 0) + 1
+    return {
+        "machine": autotune.cpu_info(),
+        "dispatch": autotune.table().summary(),
+        "amx_int8_linears": half,
+    }

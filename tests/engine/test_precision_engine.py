@@ -22,6 +22,10 @@ PROMPTS = [
 GEAR_CONFIG = {
     "precision": {
         "policy": "gearbx",
+        # the packed weight-only tiers and an fp16 head on every machine (a bf16 engine's
+        # default on AMX CPUs is (w8a8, w8a16, full): tests/engine/test_precision_amx.py)
+        "gears": ["int4", "int8", "full"],
+        "head_gears": ["fp16", "fp16", "full"],
         "routing": "token",
         "gearbx": {
             "calibration": "none",

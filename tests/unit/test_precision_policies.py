@@ -238,8 +238,28 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
     assert cfg.for_dtype("float32").smoothing.alpha == 0.5
     with pytest.raises(ValueError, match="smoothing.*bfloat16"):
         cfg.for_dtype("bfloat16")
+    assert cfg.for_dtype("bfloat16", amx_int8=True).smoothing.alpha == 0.5
     with pytest.raises(AdaptiveConfigError, match="smoothing"):
         parse_adaptive_config({"precision": {**smooth, "gears": ["int4", "int8", "full"]}})
+
+
+def test_bf16_engines_on_amx_gear_onto_the_amx_int8_gemm_and_keep_their_head() -> None:
+    cfg = parse_adaptive_config({"precision": {"policy": "gearbx"}}).precision
+    amx = cfg.for_dtype("bfloat16", amx_int8=True)
+    assert amx.level_gears == ("w8a8", "w8a16", "full")
+    assert amx.head_map is None  # the bf16 head runs vLLM's own GEMM at every level
+    assert cfg.for_dtype("bfloat16").head_map is None
+    fixed = parse_adaptive_config({"precision": {"policy": "fixed", "gear": "w8a8"}}).precision
+    assert fixed.for_dtype("float32").head_map == ("fp16", "fp16", "fp16")
+    assert fixed.for_dtype("bfloat16", amx_int8=True).level_gears == ("w8a8",) * 3
+    mine = {"policy": "fixed", "gear": "w8a8", "head_gears": ["w8a16", "w8a16", "w8a16"]}
+    assert (
+        parse_adaptive_config({"precision": mine}).precision.for_dtype("bfloat16").head_map
+        == ("w8a16",) * 3
+    )
+    head_only = {"policy": "fixed", "gear": "w8a8", "modules": ["lm_head"]}
+    with pytest.raises(ValueError, match="head_gears"):
+        parse_adaptive_config({"precision": head_only}).precision.for_dtype("bfloat16")
 
 
 def test_prefill_runs_the_high_gear_and_decode_the_cold_start_gear(tmp_path, monkeypatch) -> None:

@@ -43,8 +43,10 @@ def install_precision(
     largest token count worth measuring)."""
     parts = model.adaptive_parts()
     dtype_name = str(parts.head.weight.dtype).removeprefix("torch.")
+    from vllm_adaptive.kernels.float_linear import amx_int8_available
+
     try:
-        cfg = cfg.for_dtype(dtype_name)
+        cfg = cfg.for_dtype(dtype_name, amx_int8=amx_int8_available())
     except ValueError as e:
         raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
     num_layers = parts.num_layers

@@ -7,7 +7,8 @@ step plan, not frozen into the graph. Inside the op the tokens of the step are g
 precision their gear level maps to in this layer's group, each group is multiplied by its packed
 tier through :func:`vllm_adaptive.kernels.matmul.matmul` (``full``: the layer's own method;
 ``fp16`` / ``w8a8``: the float-activation kernels of :mod:`vllm_adaptive.kernels.float_linear`,
-the kernel chosen per token count by the machine's measured dispatch table), and the results are
+the kernel chosen per token count by the machine's measured dispatch table; W8A8 / W8A16 on bf16
+activations: the AMX int8 GEMM where the CPU has one), and the results are
 scattered back in token order; rows at W8A8 and W8A16 on shared int8 codes run as one oneDNN
 GEMM (:func:`~vllm_adaptive.kernels.float_linear.nested_w8a8_w8a16`). The LM head is geared the
 same way (its tiers are copies: the embedding it may be tied to keeps its float weight).
@@ -22,7 +23,7 @@ import torch
 
 from vllm_adaptive.engine.vllm_api import LinearMethodBase
 from vllm_adaptive.kernels.float_linear import W8A16Weight, nested_w8a8_w8a16
-from vllm_adaptive.kernels.weights import autotune_weight, linear
+from vllm_adaptive.kernels.weights import HALF_DTYPES, autotune_weight, half_call, linear
 from vllm_adaptive.precision.tiers import LinearTiers
 
 _LINEARS: list[GearedLinear] = []
@@ -73,9 +74,11 @@ class GearedLinear:
     def autotune(self, max_tokens: int) -> None:
         """Measure this layer's float-activation tiers' kernels (once per precision and shape
         on this machine; the table is cached on disk)."""
+        half = self.layer.weight.dtype in HALF_DTYPES
         for tier in self.tiers.tiers.values():
-            if tier is not None:
-                autotune_weight(tier, max_tokens)
+            if tier is None or (half and half_call(tier) is not None):
+                continue  # bf16 rows of this tier run its one half-precision kernel
+            autotune_weight(tier, max_tokens)
 
     def run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
         bias = self.layer.bias
