@@ -13,7 +13,9 @@
 #     gear ({"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}): half the weight
 #     bytes, text identical to stock float32's.
 # A --dtype of your own picks the config for that dtype; ADAPTIVE_CONFIG overrides the config.
-# Env:   ADAPTIVE_CONFIG        --additional-config JSON (default: see above);
+# Env:   ADAPTIVE_MODEL         a model `vllm-adaptive models list` names (default
+#                               smollm2-135m-instruct; also its served name)
+#        ADAPTIVE_CONFIG        --additional-config JSON (default: see above);
 #                               VLLM_ADAPTIVE_CONFIG, its old name, still works (deprecated:
 #                               vLLM warns about every VLLM_* variable it does not know)
 #        VLLM_PLUGINS           vLLM's plugin allowlist (default: the plugin's three entry
@@ -58,19 +60,20 @@ case "$dtype" in
     *) default_config='{"adaptive": {}}' ;;
 esac
 config=${ADAPTIVE_CONFIG:-$default_config}
+model=${ADAPTIVE_MODEL:-smollm2-135m-instruct}
 if [ -n "${SERVE_DRY_RUN:-}" ]; then  # what would be served, without serving it (tests)
-    printf 'dtype %s\nconfig %s\n' "$dtype" "$config"
+    printf 'dtype %s\nconfig %s\nmodel %s\n' "$dtype" "$config" "$model"
     exit 0
 fi
 
 bash "$root/scripts/setup-venv.sh"
-dir=$("$root/.venv/bin/vllm-adaptive" models prepare smollm2-135m-instruct | tail -n 1)
+dir=$("$root/.venv/bin/vllm-adaptive" models prepare "$model" | tail -n 1)
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 # vLLM loads endpoint plugins (the per-request route) only when VLLM_PLUGINS names them, and
 # warns at every start when it is unset; VLLM_PLUGINS is also the allowlist of the other plugin
 # groups, so it names all three of the plugin's entry points.
 export VLLM_PLUGINS=${VLLM_PLUGINS-vllm_adaptive,vllm_adaptive_metrics,vllm_adaptive_routes}
 
-cmd=("$root/.venv/bin/vllm" serve "$dir" --served-model-name smollm2-135m-instruct
+cmd=("$root/.venv/bin/vllm" serve "$dir" --served-model-name "$model"
      ${dtype_args[@]+"${dtype_args[@]}"} --additional-config "$config" "$@")
 exec "${cmd[@]}"

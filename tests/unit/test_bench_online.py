@@ -21,6 +21,7 @@ def test_server_spec_parsing_and_errors() -> None:
         ('{"label": "x", "dtype": "float32", "adaptiv": {}}', "unknown keys"),
         ('{"label": "x", "dtype": "float32", "serve_args": "--x"}', "serve_args"),
         ('{"label": "x", "dtype": "float32", "adaptive": 1}', "adaptive"),
+        ('{"label": "x", "dtype": "float32", "model": "llama-9000"}', "unknown model"),
     ):
         with pytest.raises(ValueError, match=word):
             online.parse_server_spec(bad)
@@ -32,6 +33,15 @@ def test_stock_is_really_stock_and_plugin_is_on() -> None:
     on = online.serve_env(online.ServerSpec("p", "float32", {"precision": None}))
     assert on["VLLM_PLUGINS"] == online.PLUGINS_ON
     assert json.loads(on["ADAPTIVE_CONFIG"]) == {"adaptive": {"precision": None}}
+    peer = online.parse_server_spec(
+        '{"label": "w8a8", "dtype": "bfloat16", "model": "smollm2-135m-instruct-w8a8"}'
+    )
+    assert peer.stock and online.serve_env(peer) == {
+        "VLLM_PLUGINS": "",
+        "ADAPTIVE_MODEL": "smollm2-135m-instruct-w8a8",
+    }
+    client = online.client_command("u", "d", "p", 1, 2, 3, "r", "n", peer.model)
+    assert client[client.index("--model") + 1] == "smollm2-135m-instruct-w8a8"
     cmd = online.serve_command(stock, 1234)
     assert cmd[1].endswith("scripts/serve.sh") and cmd[cmd.index("--dtype") + 1] == "float32"
 

@@ -50,3 +50,19 @@ def test_users_dtype_and_config_win() -> None:
     )
     mine = {"adaptive": {"precision": {"policy": "gearbx"}}}
     assert _decide(ADAPTIVE_CONFIG=json.dumps(mine), **avx2) == ("float32", mine)
+
+
+def test_adaptive_model_picks_the_checkpoint() -> None:
+    def model(**env: str) -> str:
+        out = subprocess.run(
+            ["bash", str(SERVE)],
+            env={**os.environ, "SERVE_DRY_RUN": "1", **env},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        return dict(line.split(" ", 1) for line in out.splitlines())["model"]
+
+    assert model() == "smollm2-135m-instruct"
+    assert model(ADAPTIVE_MODEL="smollm2-135m-instruct-w8a8") == "smollm2-135m-instruct-w8a8"

@@ -73,6 +73,7 @@ class ServerSpec:
     dtype: str
     adaptive: dict | None = None
     serve_args: tuple[str, ...] = ()
+    model: str = SERVED_NAME  # a `vllm-adaptive models list` name: another checkpoint as a peer
 
     @property
     def stock(self) -> bool:
@@ -81,14 +82,14 @@ class ServerSpec:
 
 def parse_server_spec(text: str) -> ServerSpec:
     """``{"label": ..., "dtype": "bfloat16"|"float32", "adaptive": {...} (absent: stock),
-    "serve_args": [...]}``; a bad spec is a ValueError that names the problem."""
+    "serve_args": [...], "model": name}``; a bad spec is a ValueError that names the problem."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--server {text!r}: not JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--server {text!r}: want a JSON object")
-    unknown = set(raw) - {"label", "dtype", "adaptive", "serve_args"}
+    unknown = set(raw) - {"label", "dtype", "adaptive", "serve_args", "model"}
     if unknown:
         raise ValueError(f"--server {text!r}: unknown keys {sorted(unknown)}")
     label, dtype = raw.get("label"), raw.get("dtype")
@@ -102,7 +103,13 @@ def parse_server_spec(text: str) -> ServerSpec:
     args = raw.get("serve_args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise ValueError(f"--server {text!r}: 'serve_args' must be a list of strings")
-    return ServerSpec(label, dtype, adaptive, tuple(args))
+    model = raw.get("model", SERVED_NAME)
+    from vllm_adaptive.model_zoo import DERIVED, ZOO
+
+    if model not in {*ZOO, *DERIVED}:
+        known = sorted({*ZOO, *DERIVED})
+        raise ValueError(f"--server {text!r}: unknown model {model!r}; known: {known}")
+    return ServerSpec(label, dtype, adaptive, tuple(args), model)
 
 
 def native_bf16(flags: Sequence[str]) -> bool:
@@ -180,10 +187,10 @@ def _get(url: str, timeout: float = 5) -> int | None:
         return None
 
 
-def _complete(url: str, prompt: str, max_tokens: int) -> float:
+def _complete(url: str, prompt: str, max_tokens: int, model: str = SERVED_NAME) -> float:
     """Seconds for one greedy completion (the user's first request after start)."""
     body = json.dumps(
-        {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     ).encode()
     req = urllib.request.Request(
         f"{url}/v1/completions", body, {"Content-Type": "application/json"}
@@ -210,9 +217,11 @@ def serve_command(spec: ServerSpec, port: int) -> list[str]:
 
 def serve_env(spec: ServerSpec) -> dict[str, str]:
     """What the server's environment changes: the plugin off entirely for stock."""
+    model = {} if spec.model == SERVED_NAME else {"ADAPTIVE_MODEL": spec.model}
     if spec.stock:
-        return {"VLLM_PLUGINS": ""}
-    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": json.dumps({"adaptive": spec.adaptive})}
+        return {"VLLM_PLUGINS": "", **model}
+    config = json.dumps({"adaptive": spec.adaptive})
+    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": config, **model}
 
 
 @dataclass
@@ -302,6 +311,7 @@ def client_command(
     output_len: int,
     result_dir: Path,
     result_name: str,
+    served_name: str = SERVED_NAME,
 ) -> list[str]:
     vllm = Path(sys.executable).parent / "vllm"
     return [
@@ -313,7 +323,7 @@ def client_command(
         "--base-url",
         url,
         "--model",
-        SERVED_NAME,
+        served_name,
         "--tokenizer",
         str(model_dir),
         "--dataset-name",
@@ -511,6 +521,8 @@ def run(
         raise ValueError(f"server labels must differ: {labels}")
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare(quiet=True)
+    for other in {s.model for s in servers} - {SERVED_NAME}:
+        prepare(other, quiet=True)  # built before any server starts: not in its start time
     n_max = max(prompts_per_concurrency(c, min_prompts) for c in concurrency)
     prompts_path = out_dir / "prompts.jsonl"
     write_prompts(model_dir, corpora, n_max, prompt_tokens, prompts_path)
@@ -522,6 +534,7 @@ def run(
             "stock": s.stock,
             "adaptive": s.adaptive,
             "serve_args": list(s.serve_args),
+            "model": s.model,
             "serve_command": serve_command(s, 0),  # port 0: a free port at each start
             "serve_env": serve_env(s),
             "plugin_loaded": not s.stock,
@@ -543,7 +556,7 @@ def run(
             flush=True,
         )
         with serving(spec, log) as srv:
-            first = _complete(srv.url, "The capital of France is", 16)
+            first = _complete(srv.url, "The capital of France is", 16, spec.model)
             rec["starts"].append(
                 {"round": r, "start_s": srv.start_s, "first_request_s": first, **engine_init(log)}
             )
@@ -552,7 +565,15 @@ def run(
                 name = f"{slug}-c{c}-r{r}.json"
                 res = run_client(
                     client_command(
-                        srv.url, model_dir, prompts_path, c, n, output_len, out_dir, name
+                        srv.url,
+                        model_dir,
+                        prompts_path,
+                        c,
+                        n,
+                        output_len,
+                        out_dir,
+                        name,
+                        spec.model,
                     ),
                     out_dir / f"client-{slug}-c{c}-r{r}.log",
                     out_dir / name,
@@ -566,7 +587,9 @@ def run(
                     f"failed {kept['failed']}",
                     flush=True,
                 )
-    plain = {s.label for s in servers if s.stock and not s.serve_args}  # the references
+    plain = {  # the references: stock on the default checkpoint, as vLLM serves it
+        s.label for s in servers if s.stock and not s.serve_args and s.model == SERVED_NAME
+    }
     for rec in records.values():
         ref = next(
             (x for x in records.values() if x["label"] in plain and x["dtype"] == rec["dtype"]),
@@ -662,7 +685,7 @@ def profile(
         trace_dir.mkdir(parents=True, exist_ok=True)
         print(f"[bench-serve] profile {i + 1}/{len(servers)}: {spec.label}", flush=True)
         with serving(spec, out_dir / f"server-{slug}-profile.log", profile_dir=trace_dir) as srv:
-            _complete(srv.url, "The capital of France is", 16)  # warm, not recorded
+            _complete(srv.url, "The capital of France is", 16, spec.model)  # warm only
             for c in concurrency:
                 before = set(trace_dir.rglob("*.pt.trace.json*"))
                 name = f"{slug}-c{c}-profile.json"
