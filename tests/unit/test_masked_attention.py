@@ -231,9 +231,19 @@ def test_all_visible_matches_vllm_cpu_attention(dtype, shape, batch):
     case = make_case(11, dtype=dtype, heads=h, kv_heads=kvh, head_size=hs, block_size=bs,
                      query_lens=q_lens, ctx_lens=ctx, record_mode="full", poison=False)  # fmt: skip
     ours = _run(case)
+    from vllm_adaptive.engine.vllm_api import cpu_attn_isa
+    from vllm_adaptive.kernels.masked_paged_attention import stock_cpu_scheduler_metadata
+
+    # The case's cache is in the 'vec' layout; on AMX CPUs vLLM would pick 'amx' for bf16 (its
+    # own K packing, which the masked backend refuses by name): run vLLM's 'vec' kernel there.
+    isa = cpu_attn_isa(dtype, bs, hs)
+    isa = "vec" if isa == "amx" else isa
+    meta = stock_cpu_scheduler_metadata(
+        case.query, case.key_cache, case.query_start_loc, case.seq_lens, isa=isa
+    )
     theirs = stock_cpu_attention(
         case.query, case.key_cache, case.value_cache, case.query_start_loc, case.seq_lens,
-        case.block_table, case.scale,
+        case.block_table, case.scale, scheduler_metadata=meta,
     )  # fmt: skip
     ref = dense_reference(case)
     assert rel_err(theirs, ref) < 2 * TOL[dtype]  # the comparison itself is meaningful
