@@ -138,11 +138,11 @@ def measure(
 
 
 def markdown(result: dict[str, Any]) -> str:
-    names = list(result["rows"][0]["us"])
+    names = list(dict.fromkeys(n for r in result["rows"] for n in r["us"]))  # every row's
     head = "| linear | K x N | M | " + " | ".join(names) + " |"
     lines = [head, "|" + " --- |" * (3 + len(names))]
     for r in result["rows"]:
-        cells = " | ".join(f"{r['us'].get(n, float('nan')):.0f}" for n in names)
+        cells = " | ".join(f"{r['us'][n]:.0f}" if n in r["us"] else "-" for n in names)
         lines.append(f"| {r['linear']} | {r['k']} x {r['n']} | {r['tokens']} | {cells} |")
     return "\n".join(lines)
 
