@@ -43,11 +43,12 @@ GEARBX_GEARS: tuple[str, str, str] = ("int4", "int8", "full")  # bf16 / fp16 act
 #: stock float32's on every request at 1, 8 and 32 concurrent, at 1.2-1.7x the speed
 #: (docs/results.md), so a full-precision high gear only cost time.
 GEARBX_GEARS_F32: tuple[str, str, str] = ("w8a8", "fp16", "fp16")
-#: bf16 / fp16 activations on a CPU with AMX: W8A8 and W8A16 run on vLLM's AMX int8 GEMM, which
-#: took half the time of stock's bf16 GEMM at 1-32 tokens, where the weight-only int8 / int4
-#: kernels were slower than bf16 from 8 tokens on (``vllm-adaptive kernels measure --dtype
-#: bfloat16``, docs/results.md).
-GEARBX_GEARS_AMX: tuple[str, str, str] = ("w8a8", "w8a16", "full")
+#: bf16 / fp16 activations on a CPU with AMX: the low gear is W8A8 on vLLM's AMX int8 GEMM, a
+#: third to a half of stock's bf16 GEMM at 1-32 tokens; mid and high are the bf16 weight itself:
+#: W8A16 there (two activation planes, the residual's few ops in Python) cost as much as bf16 at
+#: 1 token and 1.5-1.8x more at 8-32, and the weight-only int8 / int4 kernels were slower than
+#: bf16 from 8 tokens on (``vllm-adaptive kernels measure --dtype bfloat16``, docs/results.md).
+GEARBX_GEARS_AMX: tuple[str, str, str] = ("w8a8", "full", "full")
 QUICKSILVER_GEARS: tuple[str, str, str] = ("int2", "int4", "int8")
 
 

@@ -1,9 +1,10 @@
-"""Gears of a bf16 engine on vLLM's AMX int8 GEMM: GEARBX's machine default there is (w8a8,
-w8a16, full) with the LM head at its own bf16 weight; every managed linear's W8A8 and W8A16 tiers
-run the AMX kernel on bf16 rows (no float32 round trip), and the quality order holds through a
-real engine: W8A16 tracks full precision (teacher-forced along full's own greedy text), at least
-as well as W8A8. Only where the CPU has AMX (elsewhere bf16 rows of these tiers run the float32
-kernels, covered by tests/unit/test_float_linear.py)."""
+"""Gears of a bf16 engine on vLLM's AMX int8 GEMM (GEARBX's machine default there is (w8a8,
+full, full), with the LM head at its own bf16 weight; here the gears name W8A16 as the mid gear
+too): every managed linear's W8A8 and W8A16 tiers run the AMX kernel on bf16 rows (no float32
+round trip), and the quality order holds through a real engine: W8A16 tracks full precision
+(teacher-forced along full's own greedy text), at least as well as W8A8. Only where the CPU has
+AMX (elsewhere bf16 rows of these tiers run the float32 kernels, covered by
+tests/unit/test_float_linear.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def llm(model_dir: Path):
     config = {
         "precision": {
             "policy": "gearbx",
+            "gears": ["w8a8", "w8a16", "full"],
             "routing": "token",
             "gearbx": {"calibration": "none", "cold_start": False},
         }
@@ -48,7 +50,7 @@ def _greedy(n: int, **extra):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, extra_args=extra)
 
 
-def test_default_gears_run_the_amx_kernel(llm) -> None:
+def test_int8_gears_run_the_amx_kernel_and_the_head_is_not_geared(llm) -> None:
     from vllm_adaptive.introspection import gear_telemetry, kernel_dispatch
 
     tel = llm.apply_model(gear_telemetry)[0]
