@@ -30,7 +30,13 @@ def w8a8_dir(model_dir: Path) -> Path:
 def w8a8_llm(w8a8_dir: Path):
     from vllm import LLM
 
-    llm = LLM(model=str(w8a8_dir), dtype="float32", enforce_eager=True, seed=0, max_model_len=512)
+    from vllm_adaptive.kernels.float_linear import amx_int8_available
+
+    # On CPUs with AMX vLLM 0.32 runs W8A8 through its AMX kernel, which takes bf16 / fp16
+    # activations only (a float32 engine dies at its first step: "int8_scaled_mm_with_quant:
+    # expect A to be bfloat16 or half"); elsewhere oneDNN's kernel, in float32 here.
+    dtype = "bfloat16" if amx_int8_available() else "float32"
+    llm = LLM(model=str(w8a8_dir), dtype=dtype, enforce_eager=True, seed=0, max_model_len=512)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
