@@ -89,13 +89,20 @@ def test_baseline_is_the_faster_stock_per_concurrency() -> None:
             "runs": {"1": [_run(90, 10, 100)], "8": [_run(200, 30, 200)]},
         },
         {
+            "label": "stock w8a8 checkpoint",
+            "stock": True,
+            "model": "smollm2-135m-instruct-w8a8",
+            "runs": {"1": [_run(80, 12, 90)], "8": [_run(190, 35, 190)]},
+        },
+        {
             "label": "p",
             "stock": False,
             "runs": {"1": [_run(60, 15, 50), _run(40, 25, 150)], "8": [_run(110, 60, 210)]},
         },
     ]
     summ = online.summarize(servers, [1, 8])
-    assert summ["baseline"] == {"1": "stock bf16", "8": "stock f32"}  # never stock+ngram
+    # never stock+ngram, never another checkpoint
+    assert summ["baseline"] == {"1": "stock bf16", "8": "stock f32"}
     p1 = summ["servers"]["p"]["1"]
     assert p1["output_throughput"] == 50 and p1["output_throughput_range"] == [40, 60]
     assert p1["x_output_throughput"] == pytest.approx(50 / 30)

@@ -402,9 +402,15 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
         rows[s["label"]] = per_c
     baseline = {}
     for c in map(str, concurrencies):
-        # the baseline is plain stock: a stock server with a drafter is one of the compared rows
+        # the baseline is plain stock on the default checkpoint: a stock server with a drafter,
+        # or on another checkpoint (vLLM's own W8A8), is one of the compared rows
         stock = [
-            s for s in servers if s["stock"] and not s.get("serve_args") and c in rows[s["label"]]
+            s
+            for s in servers
+            if s["stock"]
+            and not s.get("serve_args")
+            and s.get("model", SERVED_NAME) == SERVED_NAME
+            and c in rows[s["label"]]
         ]
         if stock:
             best = max(stock, key=lambda s: rows[s["label"]][c]["output_throughput"])
