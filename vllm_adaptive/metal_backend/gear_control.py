@@ -32,10 +32,9 @@ from vllm_adaptive.metal_backend.quant import (
 )
 from vllm_adaptive.overrides import RequestOverrides
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState, build_policy
+from vllm_adaptive.precision.records import CODE_NAMES, gear_record
 
 logger = logging.getLogger("vllm_adaptive.mlx.precision")
-
-CODE_NAMES = (*LEVEL_NAMES, "off")
 
 
 def build_tiers(
@@ -98,21 +97,7 @@ class GearRequest:
         return self.pinned if self.pinned is not None else self.state.level
 
     def record(self) -> dict[str, Any]:
-        counts = {name: 0 for name in CODE_NAMES}
-        for c in self.codes:
-            counts[CODE_NAMES[c]] += 1
-        return {
-            "tag": self.tag,
-            "mechanism": "precision",
-            "prompt_tokens": self.prompt_len,
-            "generated_tokens": len(self.codes),
-            "gear_tokens": counts,
-            "shifts": sum(a != b for a, b in zip(self.codes, self.codes[1:], strict=False)),
-            "mean_entropy_bits": float(np.mean(self.entropies)) if self.entropies else None,
-            "entropy_bits": [round(e, 4) for e in self.entropies],
-            "gears": [CODE_NAMES[c] for c in self.codes],
-            "pinned": CODE_NAMES[self.pinned] if self.pinned is not None else None,
-        }
+        return gear_record(self.tag, self.prompt_len, self.codes, self.entropies, self.pinned)
 
 
 class GearController:

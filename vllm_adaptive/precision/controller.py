@@ -32,12 +32,12 @@ from vllm_adaptive.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.overrides import RequestOverrides
 from vllm_adaptive.precision.entropy import entropy_bits
 from vllm_adaptive.precision.policies import GearPolicy, RequestGearState
+from vllm_adaptive.precision.records import CODE_NAMES, gear_record
 from vllm_adaptive.precision.telemetry import PrecisionTelemetry
 
 logger = logging.getLogger("vllm.adaptive.precision")
 
 OFF = 3
-CODE_NAMES = (*LEVEL_NAMES, "off")
 
 
 @dataclass
@@ -63,25 +63,10 @@ class Slot:
         return self.prefill_code if last_position < self.prompt_len else self.code
 
     def record(self, policy: GearPolicy, layer_maps: list[tuple[str, ...]]) -> dict[str, Any]:
-        counts = {name: 0 for name in CODE_NAMES}
-        for c in self.codes:
-            counts[CODE_NAMES[c]] += 1
-        decode = self.codes[1:]  # the first token comes from the prefill step
-        shifts = sum(a != b for a, b in zip(decode, decode[1:], strict=False))
-        return {
-            "tag": self.tag,
-            "mechanism": "precision",
-            "prompt_tokens": self.prompt_len,
-            "generated_tokens": len(self.codes),
-            "gear_tokens": counts,
-            "shifts": shifts,
-            "mean_entropy_bits": float(np.mean(self.entropies)) if self.entropies else None,
-            "entropy_bits": [round(e, 4) for e in self.entropies],
-            "gears": [CODE_NAMES[c] for c in self.codes],
-            "pinned": CODE_NAMES[self.pinned] if self.pinned is not None else None,
-            "prefill_gear": CODE_NAMES[self.prefill_code],
-            "finished_at": time.time(),
-        }
+        rec = gear_record(self.tag, self.prompt_len, self.codes, self.entropies, self.pinned)
+        rec["prefill_gear"] = CODE_NAMES[self.prefill_code]
+        rec["finished_at"] = time.time()
+        return rec
 
 
 @dataclass
