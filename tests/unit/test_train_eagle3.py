@@ -314,6 +314,7 @@ def _opts(target: Path, corpus: Path, out: Path, **kw) -> DraftTrainOptions:
         save_every=2,
         threads=1,
         data_batch=4,
+        compute_dtype="float32",
         progress=False,
     )
     base.update(kw)
@@ -363,6 +364,39 @@ def test_train_resume_and_saved_head(target: Path, corpus: Path, tmp_path: Path)
     assert meta["train_tokens"] == 6 * 2 * 32 and meta["final"]
 
 
+def test_greedy_source_trains_on_the_targets_own_continuations(
+    target: Path, corpus: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "g"
+    opts = _opts(target, corpus, out, data_source="greedy", gen_prompt_len=8, gen_batch=4)
+    assert te.train(opts)["step"] == 6
+    shards = sorted((out / "train" / "data").glob("train-*.pt"))
+    assert len(shards) == 2  # 6 windows in generation batches of 4
+    toks = torch.cat([torch.load(f, weights_only=True)["tokens"] for f in shards]).long()
+    top1 = torch.cat([torch.load(f, weights_only=True)["topk_ids"] for f in shards])[..., 0]
+    assert toks.shape == (6, 32)
+    # after the prompt every token is the target's greedy choice given what precedes it
+    assert torch.equal(toks[:, 8:], top1[:, 7:-1].long())
+    # the prompts are calibration text, which the target does not reproduce greedily
+    assert not torch.equal(toks[:, 1:8], top1[:, :7].long())
+    meta = json.loads((out / e3.MARKER).read_text())
+    assert "greedy continuations" in meta["recipe"] and meta["compute_dtype"] == "float32"
+    with pytest.raises(te.DraftTrainError, match="--gen-prompt-len"):
+        te.train(_opts(target, corpus, tmp_path / "bad", data_source="greedy", gen_prompt_len=32))
+
+
+def test_bf16_compute_trains_and_says_so(target: Path, corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    res = te.train(_opts(target, corpus, out, compute_dtype="bfloat16"))
+    assert res["step"] == 6
+    meta = json.loads((out / e3.MARKER).read_text())
+    assert meta["compute_dtype"] == "bfloat16"
+    aux = torch.load(out / "train" / "data" / "train-00000.pt", weights_only=True)["aux"]
+    assert aux.dtype == torch.bfloat16 and torch.isfinite(aux.float()).all()
+    assert te.compute_dtype("float32") == torch.float32
+    assert te.compute_dtype("auto") in (torch.float32, torch.bfloat16)
+
+
 def test_cli_parses_train_draft() -> None:
     from vllm_adaptive.cli import build_parser
 
@@ -373,6 +407,7 @@ def test_cli_parses_train_draft() -> None:
     opts = te.options_from_args(args)
     assert opts.corpus == ["a", "b"] and opts.aux_layers == [2, 15, 27]
     assert opts.draft_vocab == 8192 and opts.ttt_steps == 3 and opts.eval_k == 3
+    assert opts.data_source == "text" and opts.compute_dtype == "auto"
 
 
 def test_early_stop_keeps_the_best_head_and_stays_stopped(

@@ -16,6 +16,13 @@ class DraftTrainOptions:
     #: training data: tokens of calibration text run through the target (split over corpora)
     tokens: int = 98304
     seq_len: int = 256
+    #: "text": windows of calibration text; "greedy": a calibration prompt of ``gen_prompt_len``
+    #: tokens and the target's own greedy continuation (what a greedy server drafts against)
+    data_source: str = "text"
+    gen_prompt_len: int = 32
+    gen_batch: int = 64
+    #: target passes and head training: "auto" is bfloat16 where the CPU computes it natively
+    compute_dtype: str = "auto"
     topk: int = 32
     draft_vocab: int = 8192
     #: target layers the head reads (default: vLLM's (2, L // 2, L - 3))
@@ -77,6 +84,24 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
         help="training tokens run through the target once (cached in OUT/train/data)",
     )
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training window")
+    p.add_argument(
+        "--data-source",
+        choices=("text", "greedy"),
+        default=d.data_source,
+        help="text: windows of calibration text; greedy: a calibration prompt of "
+        "--gen-prompt-len tokens continued by the target's own greedy tokens to --seq-len",
+    )
+    p.add_argument("--gen-prompt-len", type=int, default=d.gen_prompt_len)
+    p.add_argument(
+        "--gen-batch", type=int, default=d.gen_batch, help="prompts per greedy generation batch"
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=d.compute_dtype,
+        help="target passes and head matmuls (autocast; weights and optimizer stay float32); "
+        "auto: bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32",
+    )
     p.add_argument("--topk", type=int, default=d.topk, help="target logits kept per position")
     p.add_argument(
         "--draft-vocab",
@@ -133,6 +158,10 @@ def options_from_args(args: argparse.Namespace) -> DraftTrainOptions:
         method=args.method,
         tokens=args.tokens,
         seq_len=args.seq_len,
+        data_source=args.data_source,
+        gen_prompt_len=args.gen_prompt_len,
+        gen_batch=args.gen_batch,
+        compute_dtype=args.compute_dtype,
         topk=args.topk,
         draft_vocab=args.draft_vocab,
         aux_layers=args.aux_layers,

@@ -111,6 +111,9 @@ _RESUME_KEYS = (
     "eval_new_tokens",
     "seed",
     "corpus_sha256",
+    "data_source",
+    "gen_prompt_len",
+    "compute_dtype",
 )
 
 
@@ -460,6 +463,21 @@ def greedy_continuations(
         return {"tokens": torch.cat(seq, dim=1).to(torch.int32), "aux": aux.to(torch.bfloat16)}
 
 
+def self_windows(model, prompts: torch.Tensor, length: int) -> torch.Tensor:
+    """Each prompt continued by the target's greedy tokens to ``length`` tokens: the contexts a
+    greedy server drafts in (the target's own text, its repetitions included), rather than
+    human text."""
+    with torch.no_grad():
+        out = model(prompts, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+        parts = [prompts, nxt[:, None]]
+        for _ in range(length - prompts.shape[1] - 1):
+            out = model(nxt[:, None], past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            parts.append(nxt[:, None])
+        return torch.cat(parts, dim=1)
+
+
 @dataclass
 class Data:
     tokens: torch.Tensor  # [n, T] int32
@@ -472,9 +490,25 @@ class Data:
     gen_tokens: int
 
 
+def compute_dtype(name: str) -> torch.dtype:
+    """``auto``: bfloat16 where the CPU computes it natively (there it is 2-2.5x faster for the
+    target pass and the head's step), float32 elsewhere (emulated bf16 is slower)."""
+    if name == "auto":
+        from vllm_adaptive.kernels.autotune import cpu_info
+
+        isa = cpu_info()["isa"]
+        name = "bfloat16" if ("avx512_bf16" in isa or "amx_bf16" in isa) else "float32"
+    if name not in ("float32", "bfloat16"):
+        raise DraftTrainError(f"--compute-dtype {name!r}: float32, bfloat16 or auto")
+    return getattr(torch, name)
+
+
 def _data_spec(opts: DraftTrainOptions, fingerprint: str, layers: list[int]) -> dict[str, Any]:
     return {
         "target_fingerprint": fingerprint,
+        "data_source": opts.data_source,
+        "gen_prompt_len": opts.gen_prompt_len if opts.data_source == "greedy" else None,
+        "compute_dtype": opts.compute_dtype,
         "corpus_sha256": opts.corpus_sha256,
         "tokens": opts.tokens,
         "seq_len": opts.seq_len,
@@ -507,12 +541,16 @@ def build_data(
 
     bos = prompt_bos(tok)
     n_windows = max(1, opts.tokens // opts.seq_len)
-    body = opts.seq_len - (1 if bos is not None else 0)
+    # a greedy source reads only its prompts from the text; the target writes the rest
+    body = (opts.gen_prompt_len if opts.data_source == "greedy" else opts.seq_len) - (
+        1 if bos is not None else 0
+    )
     prompt_body = opts.eval_prompt_len - (1 if bos is not None else 0)
     windows: list[list[int]] = []
     prompts: list[list[int]] = []
     cached = sorted(data_dir.glob("train-*.pt"))
-    need_train = len(cached) * opts.data_batch < n_windows
+    per_shard = opts.gen_batch if opts.data_source == "greedy" else opts.data_batch
+    need_train = len(cached) * per_shard < n_windows
     need_eval = not (data_dir / "eval.pt").is_file()
     if need_train or need_eval:
         n = len(corpora)
@@ -544,17 +582,22 @@ def build_data(
     t0 = time.time()
     gen_tokens = 0
     if need_train:
-        chunks = [windows[i : i + opts.data_batch] for i in range(0, len(windows), opts.data_batch)]
+        # a greedy source generates in batches of --gen-batch (one shard each): per-step overhead
+        # dominates a small target's decode, so wide batches are what make it affordable
+        per = opts.gen_batch if opts.data_source == "greedy" else opts.data_batch
+        chunks = [windows[i : i + per] for i in range(0, len(windows), per)]
         bar = tqdm(
             total=len(windows) * opts.seq_len,
-            initial=len(cached) * opts.data_batch * opts.seq_len,
-            desc="target pass",
+            initial=len(cached) * per_shard * opts.seq_len,
+            desc="target pass" if opts.data_source == "text" else "greedy windows",
             unit="tok",
             unit_scale=True,
             disable=not opts.progress,
         )
         for i in range(len(cached), len(chunks)):
             ids = torch.tensor(chunks[i], dtype=torch.long)
+            if opts.data_source == "greedy":
+                ids = self_windows(model, ids, opts.seq_len)
             shard = target_pass(model, ids, layers, opts.topk)
             torch.save(shard, data_dir / f"train-{i:05d}.pt")
             gen_tokens += ids.numel()
@@ -655,7 +698,14 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     opts.corpus_sha256 = [c.sha256 for c in corpora]
     fingerprint = model_fingerprint(opts.model)
 
-    model = LlamaForCausalLM.from_pretrained(str(opts.model), dtype=torch.float32)
+    if opts.data_source not in ("text", "greedy"):
+        raise DraftTrainError(f"--data-source {opts.data_source!r}: text or greedy")
+    if opts.data_source == "greedy" and not 0 < opts.gen_prompt_len < opts.seq_len:
+        raise DraftTrainError(
+            f"--gen-prompt-len {opts.gen_prompt_len}: want 1 to --seq-len - 1 ({opts.seq_len - 1})"
+        )
+    dtype = compute_dtype(opts.compute_dtype)
+    model = LlamaForCausalLM.from_pretrained(str(opts.model), dtype=dtype)
     model.eval().requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(opts.model))
     spec = _data_spec(opts, fingerprint, layers)
@@ -729,6 +779,9 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         metrics_path.write_text("")
 
     tokens_per_step = opts.batch * opts.seq_len
+    # matmuls in bf16 where the CPU has it (AMX: about 2x a float32 step); master weights,
+    # optimizer state and the loss stay float32
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     t0 = time.time() - elapsed0
 
     def log(rec: dict[str, Any]) -> None:
@@ -739,8 +792,14 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         return {
             "trained": True,
             "method": "eagle3",
-            "recipe": "self-distillation on the target's top-k over the corpora's calibration "
-            "split, training-time test (vllm_adaptive/speculative/train_eagle3.py)",
+            "recipe": "self-distillation on the target's top-k over "
+            + (
+                "the corpora's calibration split"
+                if opts.data_source == "text"
+                else "the target's greedy continuations of calibration prompts"
+            )
+            + ", training-time test (vllm_adaptive/speculative/train_eagle3.py)",
+            "compute_dtype": str(dtype).removeprefix("torch."),
             "aux_layers": layers,
             "draft_vocab_size": opts.draft_vocab,
             "draft_vocab_greedy_coverage": covered,
@@ -762,7 +821,8 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         """Log acceptance; True when training should stop (patience)."""
         nonlocal best, best_state, bad_evals
         head.eval()
-        rates = acceptance(head, eval_tokens, eval_aux, valid, draft_ids, opts.eval_k)
+        with autocast:
+            rates = acceptance(head, eval_tokens, eval_aux, valid, draft_ids, opts.eval_k)
         head.train()
         rec = {
             "kind": "eval",
@@ -811,11 +871,12 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     while step < steps and not stop:
         idx = batch_indices(step, opts.batch, n, opts.seed)
         toks = data.tokens[idx].long()
-        outs = head.ttt(toks, data.aux[idx].float(), opts.ttt_steps)
+        with autocast:
+            outs = head.ttt(toks, data.aux[idx].float(), opts.ttt_steps)
         losses, agrees = [], []
         for j, o in enumerate(outs):
             loss_j, agree_j = step_loss(
-                o.logits, j, data.topk_ids[idx], data.topk_logits[idx], t2d_index, draft_ids
+                o.logits.float(), j, data.topk_ids[idx], data.topk_logits[idx], t2d_index, draft_ids
             )
             losses.append(loss_j)
             agrees.append(float(agree_j))
