@@ -124,3 +124,13 @@ def test_uniform_steps_take_the_fast_call_and_it_matches_the_grouped_path(
     got = op(x)
     torch.testing.assert_close(got[1], geared.run(x[1:2], "fp16")[0])
     torch.testing.assert_close(got[[0, 2]], geared.run(x[[0, 2]], "int4"))
+
+    import gc
+
+    from vllm_adaptive.precision import linear as linear_mod
+
+    index = geared.index
+    assert linear_mod._LINEARS[index] is geared
+    del geared, controller, op
+    gc.collect()
+    assert index not in linear_mod._LINEARS  # a finished engine's layers are not kept alive

@@ -17,6 +17,8 @@ same way (its tiers are copies: the embedding it may be tied to keeps its float 
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -26,7 +28,9 @@ from vllm_adaptive.kernels.float_linear import W8A16Weight, nested_w8a8_w8a16
 from vllm_adaptive.kernels.weights import HALF_DTYPES, autotune_weight, half_call, linear
 from vllm_adaptive.precision.tiers import LinearTiers
 
-_LINEARS: list[GearedLinear] = []
+#: the op's ``index`` -> its layer; weak, so that a finished engine's layers are freed with it
+_LINEARS: weakref.WeakValueDictionary[int, GearedLinear] = weakref.WeakValueDictionary()
+_NEXT_INDEX = itertools.count()
 _LIB = torch.library.Library("vllm_adaptive", "FRAGMENT")  # noqa: TID251 - our own namespace
 
 
@@ -55,8 +59,8 @@ class GearedLinear:
         # ``x -> y`` at the one precision every row of this step runs (set by the controller
         # each time that changes); None: rows may differ, ``forward`` groups them
         self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.index = len(_LINEARS)
-        _LINEARS.append(self)
+        self.index = next(_NEXT_INDEX)
+        _LINEARS[self.index] = self
 
     def call_for(self, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The whole layer at ``precision`` as one callable: the hot path of a step whose rows
