@@ -132,6 +132,11 @@ class AdaptiveCausalLM(HasAdaptiveParts):
             self.precision.observe_logits(logits)
         return logits
 
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The model's head over a draft's states: not a sampled row of the step, so the
+        precision controller never sees it (its row count may equal the batch's)."""
+        return super().compute_logits(hidden_states)  # type: ignore[misc]
+
     def kernel_dispatch(self) -> dict:
         """The reduced-precision kernels this worker measured and runs, per format, shape and
         token-count bucket (the bench records it next to its timings)."""

@@ -28,7 +28,7 @@ class DraftHead:
     def logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary for final-normed ``hidden``."""
         if self.packed is None:
-            return model.compute_logits(hidden)[:, : self.vocab]
+            return model.draft_logits(hidden)[:, : self.vocab]
         return linear(self.packed, hidden)
 
     def resident_bytes(self) -> int:
