@@ -120,3 +120,22 @@ def test_agreement_counts_identical_texts_and_prefixes() -> None:
     assert got["prefix"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
     with pytest.raises(ValueError):
         online.agreement(["a"], ["a", "b"], _Tok())
+
+
+def test_spec_acceptance_from_vllm_metrics() -> None:
+    page = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0',
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 8.0',
+            'vllm:generation_tokens_total{engine="0"} 99.0',
+        ]
+    )
+    after = online.parse_spec_counters(page)
+    assert after == {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 12.0}
+    got = online.acceptance({"drafts": 4.0, "draft_tokens": 12.0, "accepted_tokens": 3.0}, after)
+    assert got["spec_acceptance"] == 9.0 / 18.0 and got["spec_accepted_per_draft"] == 9.0 / 6.0
+    assert online.acceptance({}, {}) == {}  # a server that does not draft
+    assert online.parse_spec_counters("vllm:num_requests_running 1.0") == {}

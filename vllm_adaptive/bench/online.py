@@ -59,6 +59,8 @@ KEPT = (
     "p99_ttft_ms",
     "mean_itl_ms",
 )
+#: from the server's /metrics around each client run, where it drafts
+SPEC_KEPT = ("spec_acceptance", "spec_accepted_per_draft")
 
 
 class OnlineBenchError(RuntimeError):
@@ -199,6 +201,43 @@ def _complete(url: str, prompt: str, max_tokens: int, model: str = SERVED_NAME) 
     with urllib.request.urlopen(req, timeout=STARTUP_TIMEOUT_S) as resp:
         resp.read()
     return time.perf_counter() - t0
+
+
+_SPEC_COUNTER = re.compile(
+    r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total(?:\{[^}]*\})?\s+(\S+)$"
+)
+
+
+def parse_spec_counters(text: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters in a /metrics page, summed over label sets
+    (engines); empty when the server does not draft."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SPEC_COUNTER.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            return parse_spec_counters(resp.read().decode())
+    except (urllib.error.URLError, OSError):
+        return {}
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Acceptance over one client run from the counters around it: per drafted token, and the
+    mean number of drafted tokens accepted per draft (per verification step of a request)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    if not d.get("draft_tokens"):
+        return {}
+    return {
+        "spec_acceptance": d.get("accepted_tokens", 0.0) / d["draft_tokens"],
+        "spec_accepted_per_draft": d.get("accepted_tokens", 0.0) / max(d.get("drafts", 0.0), 1.0),
+        "spec_draft_tokens": d["draft_tokens"],
+    }
 
 
 def serve_command(spec: ServerSpec, port: int) -> list[str]:
@@ -391,7 +430,7 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
                 continue
             med = {
                 k: statistics.median(r[k] for r in runs if r.get(k) is not None)
-                for k in KEPT
+                for k in (*KEPT, *SPEC_KEPT)
                 if any(r.get(k) is not None for r in runs)
             }
             med["output_throughput_range"] = [
@@ -452,9 +491,10 @@ def markdown(report: dict[str, Any]) -> str:
                 continue
             q = s.get("agreement", {}).get(c)
             agree = f"{q['identical']:.2f}" if q else "ref" if s["stock"] and not q else "-"
+            acc = f" / acc {m['spec_acceptance']:.2f}" if "spec_acceptance" in m else ""
             cells.append(
                 f"{m['output_throughput']:.1f} ({m.get('x_output_throughput', float('nan')):.2f}x)"
-                f" / {m['median_tpot_ms']:.1f} / {m['median_ttft_ms']:.0f} / {agree}"
+                f" / {m['median_tpot_ms']:.1f} / {m['median_ttft_ms']:.0f} / {agree}{acc}"
             )
         starts = s["starts"]
         start = statistics.median(x["start_s"] for x in starts)
@@ -466,7 +506,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "x: output tok/s over the baseline's; agree: fraction of requests whose greedy text is "
-        "identical to stock's at the same dtype and concurrency. Failed requests: "
+        "identical to stock's at the same dtype and concurrency; acc (drafting servers): "
+        "drafted tokens accepted per drafted token, from vLLM's /metrics counters around the "
+        "run. Failed requests: "
         + str(
             sum(
                 r.get("failed", 0)
@@ -569,6 +611,7 @@ def run(
             for c in concurrency:
                 n = prompts_per_concurrency(c, min_prompts)
                 name = f"{slug}-c{c}-r{r}.json"
+                counters = spec_counters(srv.url)
                 res = run_client(
                     client_command(
                         srv.url,
@@ -585,12 +628,18 @@ def run(
                     out_dir / name,
                 )
                 kept = {k: res.get(k) for k in KEPT}
+                kept.update(acceptance(counters, spec_counters(srv.url)))
                 rec["runs"].setdefault(str(c), []).append({"round": r, **kept})
                 rec["texts"].setdefault(str(c), res.get("generated_texts", []))
                 print(
                     f"[bench-serve]   {c:>3} concurrent: {kept['output_throughput']:.1f} tok/s, "
                     f"TPOT {kept['median_tpot_ms']:.1f} ms, TTFT {kept['median_ttft_ms']:.0f} ms, "
-                    f"failed {kept['failed']}",
+                    f"failed {kept['failed']}"
+                    + (
+                        f", acceptance {kept['spec_acceptance']:.2f}"
+                        if "spec_acceptance" in kept
+                        else ""
+                    ),
                     flush=True,
                 )
     plain = {  # the references: stock on the default checkpoint, as vLLM serves it
