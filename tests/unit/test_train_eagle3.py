@@ -86,9 +86,9 @@ def _hf(target: Path):
     return LlamaForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
 
 
-def _head(target: Path, draft_vocab: int = 48, layers=(1, 2, 3)):
+def _head(target: Path, draft_vocab: int = 48, layers=(1, 2, 3), num_layers: int = 1):
     cfg_t = json.loads((target / "config.json").read_text())
-    cfg = e3.head_config(cfg_t, draft_vocab, layers)
+    cfg = e3.head_config(cfg_t, draft_vocab, layers, num_layers)
     model = _hf(target)
     return te.Eagle3Draft(cfg, model.model.embed_tokens.weight), model
 
@@ -138,14 +138,9 @@ def _ref_draft_chain(head: te.Eagle3Draft, tokens, aux, p: int, k: int, theta: f
         )
     )
     lin = lambda name, x: x @ sd[name].T  # noqa: E731
-    m = "midlayer."
+    prefixes = ["midlayer.", *(f"layers.{i}." for i in range(1, cfg["num_hidden_layers"]))]
 
-    def layer(ids, hidden, positions, cache_k, cache_v):
-        # LlamaDecoderLayer.forward, layer_idx 0, norm_before_residual False
-        embeds = _ref_norm(head.embed[ids], sd[m + "input_layernorm.weight"], eps)
-        residual = hidden
-        hs = _ref_norm(hidden, sd[m + "hidden_norm.weight"], eps)
-        x = torch.cat([embeds, hs], -1)
+    def attention(m, x, positions, cache_k, cache_v):
         n = x.shape[0]
         q = lin(m + "self_attn.q_proj.weight", x).view(n, H, D).transpose(0, 1)[None]
         kk = lin(m + "self_attn.k_proj.weight", x).view(n, KV, D).transpose(0, 1)[None]
@@ -161,31 +156,44 @@ def _ref_draft_chain(head: te.Eagle3Draft, tokens, aux, p: int, k: int, theta: f
         scores = torch.einsum("hnd,shd->hns", q[0], K) * D**-0.5
         scores = scores.masked_fill(torch.arange(S)[None, None, :] > qpos[None, :, None], -1e30)
         attn = torch.einsum("hns,shd->nhd", scores.softmax(-1), V).reshape(n, H * D)
-        attn = lin(m + "self_attn.o_proj.weight", attn)
-        hs, residual = _ref_norm(attn, sd[m + "post_attention_layernorm.weight"], eps, residual)
-        g, u = lin(m + "mlp.gate_proj.weight", hs), lin(m + "mlp.up_proj.weight", hs)
-        hs = lin(m + "mlp.down_proj.weight", torch.nn.functional.silu(g) * u)
+        return lin(m + "self_attn.o_proj.weight", attn)
+
+    def layer(ids, hidden, positions, caches):
+        hs, residual = hidden, None
+        for i, m in enumerate(prefixes):
+            if i == 0:  # LlamaDecoderLayer.forward, layer_idx 0, norm_before_residual False
+                embeds = _ref_norm(head.embed[ids], sd[m + "input_layernorm.weight"], eps)
+                residual = hidden
+                x = torch.cat([embeds, _ref_norm(hidden, sd[m + "hidden_norm.weight"], eps)], -1)
+            else:  # layer_idx > 0: the fused add of the previous layer's output
+                x, residual = _ref_norm(hs, sd[m + "input_layernorm.weight"], eps, residual)
+            attn = attention(m, x, positions, *caches[i])
+            hs, residual = _ref_norm(attn, sd[m + "post_attention_layernorm.weight"], eps, residual)
+            g, u = lin(m + "mlp.gate_proj.weight", hs), lin(m + "mlp.up_proj.weight", hs)
+            hs = lin(m + "mlp.down_proj.weight", torch.nn.functional.silu(g) * u)
         # LlamaModel.forward: norm with the fused add; aux_output = the pre-norm sum
         normed, prenorm = _ref_norm(hs, sd["norm.weight"], eps, residual)
         return lin("lm_head.weight", normed), prenorm
 
-    cache_k, cache_v = [], []
+    caches = [([], []) for _ in prefixes]
     hidden = lin("fc.weight", aux[: p + 1])  # combine_hidden_states
     ids = tokens[1 : p + 2]  # shifted by one, the last one is the sampled (next) token
-    logits, prenorm = layer(ids, hidden, torch.arange(p + 1), cache_k, cache_v)
+    logits, prenorm = layer(ids, hidden, torch.arange(p + 1), caches)
     outs = [(logits[-1], prenorm[-1])]
     hidden = prenorm[-1:]
     for j in range(1, k):
         ids = tokens[p + j + 1 : p + j + 2]
-        logits, prenorm = layer(ids, hidden, torch.tensor([p + j]), cache_k, cache_v)
+        logits, prenorm = layer(ids, hidden, torch.tensor([p + j]), caches)
         outs.append((logits[-1], prenorm[-1]))
         hidden = prenorm
     return outs
 
 
-def test_head_forward_matches_vllm_reference(target: Path) -> None:
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_head_forward_matches_vllm_reference(target: Path, num_layers: int) -> None:
     torch.manual_seed(0)
-    head, _ = _head(target)
+    head, _ = _head(target, num_layers=num_layers)
+    assert len(head.stack()) == num_layers
     _randomise(head)
     T, k = 12, 3
     tokens = torch.randint(3, VOCAB, (2, T))
@@ -220,6 +228,12 @@ def test_untrained_head_is_the_target_layer(target: Path) -> None:
         out = head.ttt(tokens, aux, 1)[0]
     torch.testing.assert_close(out.hidden, hs[3], rtol=1e-5, atol=1e-5)
     assert torch.equal(head.lm_head.weight, model.lm_head.weight[draft_ids])
+    # two head layers continue the target: from layer 1 they reproduce the state after 3
+    head2, _ = _head(target, layers=(0, 0, 1), num_layers=2)
+    te.init_from_target(head2, init_state, draft_ids, 1)
+    with torch.no_grad():
+        out2 = head2.ttt(tokens, torch.cat([hs[0], hs[0], hs[1]], -1), 1)[0]
+    torch.testing.assert_close(out2.hidden, hs[3], rtol=1e-5, atol=1e-5)
 
 
 # -- vocabulary, loss, acceptance -------------------------------------------------------------
@@ -385,6 +399,23 @@ def test_greedy_source_trains_on_the_targets_own_continuations(
         te.train(_opts(target, corpus, tmp_path / "bad", data_source="greedy", gen_prompt_len=32))
 
 
+def test_two_layer_head_trains_and_saves_in_vllms_names(
+    target: Path, corpus: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "two"
+    assert te.train(_opts(target, corpus, out, head_layers=2))["step"] == 6
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    e3.check_head_for_target(out, target)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("layers.1.self_attn.q_proj.weight").shape == (64, 64)
+    assert names == set(e3.head_shapes(cfg)) | {"d2t", "t2d"}
+    assert "layers.1.hidden_norm.weight" in names and "midlayer.hidden_norm.weight" in names
+    with pytest.raises(te.DraftTrainError, match="--head-layers"):
+        te.train(_opts(target, corpus, tmp_path / "zero", head_layers=0))
+
+
 def test_bf16_compute_trains_and_says_so(target: Path, corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "b"
     res = te.train(_opts(target, corpus, out, compute_dtype="bfloat16"))
@@ -407,7 +438,7 @@ def test_cli_parses_train_draft() -> None:
     opts = te.options_from_args(args)
     assert opts.corpus == ["a", "b"] and opts.aux_layers == [2, 15, 27]
     assert opts.draft_vocab == 8192 and opts.ttt_steps == 3 and opts.eval_k == 3
-    assert opts.data_source == "text" and opts.compute_dtype == "auto"
+    assert opts.data_source == "text" and opts.compute_dtype == "auto" and opts.head_layers == 1
 
 
 def test_early_stop_keeps_the_best_head_and_stays_stopped(

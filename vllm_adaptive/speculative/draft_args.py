@@ -27,6 +27,8 @@ class DraftTrainOptions:
     draft_vocab: int = 8192
     #: target layers the head reads (default: vLLM's (2, L // 2, L - 3))
     aux_layers: list[int] | None = None
+    #: decoder layers of the head (vLLM's EAGLE-3 model runs any number)
+    head_layers: int = 1
     ttt_steps: int = 3
     ttt_decay: float = 0.8
     #: training steps; default: ``epochs`` passes over the data
@@ -115,6 +117,12 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the three target layers the head reads, e.g. 2,15,27 (default vLLM's: 2, L//2, L-3)",
     )
+    p.add_argument(
+        "--head-layers",
+        type=int,
+        default=d.head_layers,
+        help="decoder layers of the head (each starts as the target's next layer)",
+    )
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time test steps")
     p.add_argument(
         "--ttt-decay", type=float, default=d.ttt_decay, help="loss weight of step j: decay^(j-1)"
@@ -165,6 +173,7 @@ def options_from_args(args: argparse.Namespace) -> DraftTrainOptions:
         topk=args.topk,
         draft_vocab=args.draft_vocab,
         aux_layers=args.aux_layers,
+        head_layers=args.head_layers,
         ttt_steps=args.ttt_steps,
         ttt_decay=args.ttt_decay,
         steps=args.steps,

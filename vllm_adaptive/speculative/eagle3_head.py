@@ -48,8 +48,11 @@ def head_config(
     target_config: dict[str, Any],
     draft_vocab_size: int,
     aux_layers: Sequence[int] | None = None,
+    num_layers: int = 1,
 ) -> dict[str, Any]:
-    """The head's config.json: the target's shapes, one layer, the truncated vocabulary.
+    """The head's config.json: the target's shapes, ``num_layers`` decoder layers (vLLM's
+    EAGLE-3 model: the first reads [embedding, fc(h)], later ones the stream), the truncated
+    vocabulary.
     ``aux_layers`` (the target layers the head reads) is written where vLLM looks for it
     (``eagle_aux_hidden_state_layer_ids``, top level and in ``eagle_config``); without it vLLM
     uses :func:`default_aux_layers`."""
@@ -70,7 +73,7 @@ def head_config(
         "num_attention_heads": heads,
         "num_key_value_heads": target_config.get("num_key_value_heads", heads),
         "head_dim": target_config.get("head_dim", hidden // heads),
-        "num_hidden_layers": 1,
+        "num_hidden_layers": int(num_layers),
         "hidden_act": target_config.get("hidden_act", "silu"),
         "rms_norm_eps": target_config.get("rms_norm_eps", 1e-5),
         "rope_theta": target_rope_theta(target_config),
@@ -86,10 +89,29 @@ def head_config(
 
 
 def head_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a head and its shape (the layer's attention reads [embedding, fc(h)])."""
+    """Every tensor of a head and its shape (the first layer's attention reads [embedding,
+    fc(h)]; layers 1.. read the stream, as ``layers.{i}.*``, and carry vLLM's unused
+    ``hidden_norm`` so that its loader finds every parameter it built)."""
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    later: dict[str, tuple[int, ...]] = {}
+    for i in range(1, int(cfg.get("num_hidden_layers", 1))):
+        p = f"layers.{i}."
+        later.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "hidden_norm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
     return {
         "fc.weight": (h, 3 * h),
         "midlayer.input_layernorm.weight": (h,),
@@ -102,6 +124,7 @@ def head_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "midlayer.mlp.gate_proj.weight": (inter, h),
         "midlayer.mlp.up_proj.weight": (inter, h),
         "midlayer.mlp.down_proj.weight": (h, inter),
+        **later,
         "norm.weight": (h,),
         "lm_head.weight": (cfg["draft_vocab_size"], h),
     }
@@ -127,13 +150,14 @@ def save_head(
     draft_ids: torch.Tensor,
     meta: dict[str, Any] | None = None,
     aux_layers: Sequence[int] | None = None,
+    num_layers: int = 1,
 ) -> Path:
     """Write a head for the target in ``target_dir``; checks every tensor's shape.
-    ``aux_layers``: see :func:`head_config`."""
+    ``aux_layers``, ``num_layers``: see :func:`head_config`."""
     from safetensors.torch import save_file
 
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    cfg = head_config(target_cfg, len(draft_ids), aux_layers)
+    cfg = head_config(target_cfg, len(draft_ids), aux_layers, num_layers)
     shapes = head_shapes(cfg)
     missing = sorted(set(shapes) - set(weights))
     if missing:

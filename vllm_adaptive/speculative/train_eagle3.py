@@ -114,6 +114,7 @@ _RESUME_KEYS = (
     "data_source",
     "gen_prompt_len",
     "compute_dtype",
+    "head_layers",
 )
 
 
@@ -156,12 +157,12 @@ def _linear(i: int, o: int) -> nn.Linear:
 
 
 class _Attn(nn.Module):
-    def __init__(self, h: int, q: int, kv: int):
+    def __init__(self, h: int, q: int, kv: int, qkv_in: int):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj = (
-            _linear(2 * h, q),
-            _linear(2 * h, kv),
-            _linear(2 * h, kv),
+            _linear(qkv_in, q),
+            _linear(qkv_in, kv),
+            _linear(qkv_in, kv),
         )
         self.o_proj = _linear(q, h)
 
@@ -174,13 +175,22 @@ class _MLP(nn.Module):
 
 
 class _MidLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
+    """vLLM's EAGLE-3 decoder layer: the first (``midlayer``) reads [embedding, fc(h)]; later
+    ones (``layers.{i}``) read the stream like a target layer (their ``hidden_norm`` exists in
+    vLLM's module and is never used)."""
+
+    def __init__(self, cfg: dict[str, Any], first: bool = True):
         super().__init__()
         h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         hd = cfg["head_dim"]
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
-        self.self_attn = _Attn(h, cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd)
+        self.self_attn = _Attn(
+            h,
+            cfg["num_attention_heads"] * hd,
+            cfg["num_key_value_heads"] * hd,
+            2 * h if first else h,
+        )
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = _MLP(h, cfg["intermediate_size"])
 
@@ -238,60 +248,61 @@ class Eagle3Draft(nn.Module):
         self.theta = float(cfg["rope_theta"])
         self.fc = _linear(3 * h, h)
         self.midlayer = _MidLayer(cfg)
+        # names "layers.1", "layers.2", ...: what vLLM loads after "midlayer" -> "layers.0"
+        self.layers = nn.ModuleDict(
+            {str(i): _MidLayer(cfg, first=False) for i in range(1, cfg["num_hidden_layers"])}
+        )
         self.norm = RMSNorm(h, cfg["rms_norm_eps"])
         self.lm_head = _linear(h, cfg["draft_vocab_size"])
         self.register_buffer("embed", embed.detach().float(), persistent=False)
 
-    # one draft step over a sequence: vLLM's LlamaDecoderLayer (layer_idx 0) + LlamaModel.norm
-    def qkv(
-        self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(self.embed[ids]), layer.hidden_norm(hidden)], -1)
-        B, T = ids.shape
-        q = layer.self_attn.q_proj(x).view(B, T, self.heads, self.head_dim)
-        k = layer.self_attn.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
-        v = layer.self_attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def finish(
-        self, attn: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, the fused add + post-attention norm, the MLP, the fused add + final norm:
-        (normed output for the LM head, pre-norm sum fed to the next step)."""
-        layer = self.midlayer
-        residual = layer.self_attn.o_proj(attn.flatten(-2)) + residual
-        x = layer.post_attention_layernorm(residual)
-        mlp = layer.mlp
-        residual = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)) + residual
-        return self.norm(residual), residual
+    def stack(self) -> list[_MidLayer]:
+        return [self.midlayer, *self.layers.values()]
 
     def ttt(self, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[StepOutput]:
         """Draft steps 1..``steps`` from every chain start ``p`` of ``tokens`` [B, T] at once.
         Step ``j`` (1-based) of chain ``p`` reads token ``p + j`` (0 past the end) at position
         id ``p + j - 1``; step 1 reads ``fc(aux[p])``, later steps the previous step's
-        pre-norm output; its logits predict token ``p + j + 1``."""
+        pre-norm output; its logits predict token ``p + j + 1``.
+
+        Per layer, vLLM's forward with its fused adds written as one stream ``s``: the first
+        layer's q/k/v read ``[input_layernorm(embed), hidden_norm(h)]`` with ``s = h``; a later
+        layer's read ``input_layernorm(s)``; each adds its attention and MLP to ``s``; the
+        logits read ``norm(s)`` and the next step reads ``s`` (the pre-norm sum)."""
         B, T = tokens.shape
         hidden = self.fc(aux)
         base = torch.arange(T, device=tokens.device)
-        k1 = v1 = None
-        diag_k: list[torch.Tensor] = []
-        diag_v: list[torch.Tensor] = []
+        layers = self.stack()
+        # per layer: the first step's keys (the verified prefix' KV cache) and later steps' own
+        cache_k: list[list[torch.Tensor]] = [[] for _ in layers]
+        cache_v: list[list[torch.Tensor]] = [[] for _ in layers]
         scale = self.head_dim**-0.5
         outs = []
         for j in range(steps):
             ids = torch.zeros_like(tokens)
             ids[:, : max(T - j - 1, 0)] = tokens[:, j + 1 :]
-            q, k, v = self.qkv(ids, hidden, base + j)
-            if j == 0:
-                k1, v1 = k, v
-            else:
-                diag_k.append(k)
-                diag_v.append(v)
-            attn = ttt_attention(q, k1, v1, diag_k, diag_v, scale)
-            normed, hidden = self.finish(attn, hidden)
-            outs.append(StepOutput(self.lm_head(normed), hidden))
+            cos, sin = rope_cos_sin(base + j, self.head_dim, self.theta)
+            s = hidden
+            for i, layer in enumerate(layers):
+                if i == 0:
+                    x = torch.cat(
+                        [layer.input_layernorm(self.embed[ids]), layer.hidden_norm(hidden)], -1
+                    )
+                else:
+                    x = layer.input_layernorm(s)
+                att = layer.self_attn
+                q = apply_rope(att.q_proj(x).view(B, T, self.heads, self.head_dim), cos, sin)
+                k = apply_rope(att.k_proj(x).view(B, T, self.kv_heads, self.head_dim), cos, sin)
+                v = att.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+                cache_k[i].append(k)
+                cache_v[i].append(v)
+                ks, vs = cache_k[i], cache_v[i]
+                attn = ttt_attention(q, ks[0], vs[0], ks[1:], vs[1:], scale)
+                s = att.o_proj(attn.flatten(-2)) + s
+                y = layer.post_attention_layernorm(s)
+                s = layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y)) + s
+            hidden = s
+            outs.append(StepOutput(self.lm_head(self.norm(s)), s))
         return outs
 
     def head_weights(self) -> dict[str, torch.Tensor]:
@@ -304,27 +315,34 @@ class Eagle3Draft(nn.Module):
 def init_from_target(
     head: Eagle3Draft, target_state: dict[str, torch.Tensor], draft_ids: torch.Tensor, layer: int
 ) -> None:
-    """lm_head: the target's rows of the draft vocabulary; norm: its final norm; the decoder
-    layer: the target's layer ``layer`` (q/k/v's embedding halves zero); fc: ``[0, 0, I]``."""
+    """lm_head: the target's rows of the draft vocabulary; norm: its final norm; decoder layer
+    ``i`` of the head: the target's layer ``layer + i`` (the first's q/k/v embedding halves
+    zero; past the target's last layer, its last); fc: ``[0, 0, I]``."""
     h = head.cfg["hidden_size"]
     lm = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
-    p = f"model.layers.{layer}."
+    last = max(int(k.split(".")[2]) for k in target_state if k.startswith("model.layers."))
     with torch.no_grad():
         head.lm_head.weight.copy_(lm[draft_ids])
         head.norm.weight.copy_(target_state["model.norm.weight"])
-        mid = head.midlayer
-        mid.input_layernorm.weight.copy_(target_state["model.layers.0.input_layernorm.weight"])
-        mid.hidden_norm.weight.copy_(target_state[p + "input_layernorm.weight"])
-        for name in ("q_proj", "k_proj", "v_proj"):
-            w = getattr(mid.self_attn, name).weight
-            w.zero_()
-            w[:, h:].copy_(target_state[p + f"self_attn.{name}.weight"])
-        mid.self_attn.o_proj.weight.copy_(target_state[p + "self_attn.o_proj.weight"])
-        mid.post_attention_layernorm.weight.copy_(
-            target_state[p + "post_attention_layernorm.weight"]
-        )
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(mid.mlp, name).weight.copy_(target_state[p + f"mlp.{name}.weight"])
+        for i, mid in enumerate(head.stack()):
+            p = f"model.layers.{min(layer + i, last)}."
+            if i == 0:
+                mid.input_layernorm.weight.copy_(
+                    target_state["model.layers.0.input_layernorm.weight"]
+                )
+                mid.hidden_norm.weight.copy_(target_state[p + "input_layernorm.weight"])
+            else:
+                mid.input_layernorm.weight.copy_(target_state[p + "input_layernorm.weight"])
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = getattr(mid.self_attn, name).weight
+                w.zero_()
+                w[:, -h:].copy_(target_state[p + f"self_attn.{name}.weight"])
+            mid.self_attn.o_proj.weight.copy_(target_state[p + "self_attn.o_proj.weight"])
+            mid.post_attention_layernorm.weight.copy_(
+                target_state[p + "post_attention_layernorm.weight"]
+            )
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mid.mlp, name).weight.copy_(target_state[p + f"mlp.{name}.weight"])
         head.fc.weight.zero_()
         head.fc.weight[:, 2 * h :].copy_(torch.eye(h))
 
@@ -722,7 +740,9 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     t2d_index = target_index(draft_ids, vocab)
     covered = float(greedy_counts[draft_ids].sum() / greedy_counts.sum().clamp(min=1))
 
-    cfg = head_config(target_cfg, opts.draft_vocab, layers)
+    if opts.head_layers < 1:
+        raise DraftTrainError(f"--head-layers {opts.head_layers}: want at least 1")
+    cfg = head_config(target_cfg, opts.draft_vocab, layers, opts.head_layers)
     head = Eagle3Draft(cfg, target_state["model.embed_tokens.weight"])
     init_from_target(head, target_state, draft_ids, layers[-1])
     shapes = head_shapes(cfg)
@@ -815,7 +835,15 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         }
 
     def write_head(state: dict[str, torch.Tensor], final: bool) -> None:
-        save_head(out, opts.model, state, draft_ids, meta(final), aux_layers=layers)
+        save_head(
+            out,
+            opts.model,
+            state,
+            draft_ids,
+            meta(final),
+            aux_layers=layers,
+            num_layers=opts.head_layers,
+        )
 
     def evaluate() -> bool:
         """Log acceptance; True when training should stop (patience)."""
