@@ -508,13 +508,24 @@ class Data:
     gen_tokens: int
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's ISA flags (Linux); empty elsewhere. Read here, not through the kernels'
+    autotuner, whose module reaches vLLM: training runs without it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
 def compute_dtype(name: str) -> torch.dtype:
     """``auto``: bfloat16 where the CPU computes it natively (there it is 2-2.5x faster for the
     target pass and the head's step), float32 elsewhere (emulated bf16 is slower)."""
     if name == "auto":
-        from vllm_adaptive.kernels.autotune import cpu_info
-
-        isa = cpu_info()["isa"]
+        isa = _cpu_flags()
         name = "bfloat16" if ("avx512_bf16" in isa or "amx_bf16" in isa) else "float32"
     if name not in ("float32", "bfloat16"):
         raise DraftTrainError(f"--compute-dtype {name!r}: float32, bfloat16 or auto")
