@@ -329,6 +329,6 @@ def test_fixed_gear_costs_no_entropy_and_no_prompt_decode(monkeypatch) -> None:
         c.plan = ctl.StepPlan(1, np.array([HIGH]), None, np.array([3]), np.array([0, 1]))
         c.observe_logits(torch.randn(1, V))
         assert calls["entropy"] == entropy_calls
-        rec = c.slots[0].record(c.policy, [])
+        rec = c.slots[0].record()
         assert rec["gears"] == ["high"]
         assert len(rec["entropy_bits"]) == entropy_calls

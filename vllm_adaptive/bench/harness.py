@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,29 +64,6 @@ def build_workload(args: argparse.Namespace, corpora: list[CorpusFile]) -> dict[
     mixed = [p for group in zip(*prompts, strict=True) for p in group][:n_prompts]
     streams = sorted(streams, key=lambda s: s["corpus"])
     return {"prompts": mixed, "streams": streams}
-
-
-def run_engine(name: str, spec: dict[str, Any], env_overrides: dict[str, str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="vllm-adaptive-bench-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ)
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        env.update(env_overrides)
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "vllm_adaptive.bench.engine_run", str(spec_path), str(out_path)],
-            env=env,
-        )
-        if not out_path.exists():
-            raise RuntimeError(
-                f"engine for {name} failed (exit {proc.returncode}); see the log above"
-            )
-        if proc.returncode != 0:  # written atomically after every measurement: still valid
-            _log(f"  warning: engine process for {name} exited {proc.returncode} after its results")
-        result = json.loads(out_path.read_text())
-        result["wall_s"] = time.perf_counter() - t0
-        return result
 
 
 def _streams(result: dict[str, Any]) -> list[ForcedStream]:

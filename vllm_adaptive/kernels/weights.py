@@ -127,10 +127,3 @@ def linear(weight: Weight, x: torch.Tensor) -> torch.Tensor:
         return y if y.dtype == x.dtype else y.to(x.dtype)
     path = choose_path_cached(weight, x.shape[0], x.dtype)
     return bound_kernel(weight, path, x.dtype)(xc)
-
-
-def weight_nbytes(weight: Weight) -> int:
-    """Bytes of the format's own tensors (packed kernel layouts not counted)."""
-    if isinstance(weight, FLOAT_FORMATS):
-        return weight.nbytes
-    return weight.nbytes

@@ -62,7 +62,7 @@ class Slot:
         token) runs the prefill code."""
         return self.prefill_code if last_position < self.prompt_len else self.code
 
-    def record(self, policy: GearPolicy, layer_maps: list[tuple[str, ...]]) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         rec = gear_record(self.tag, self.prompt_len, self.codes, self.entropies, self.pinned)
         rec["prefill_gear"] = CODE_NAMES[self.prefill_code]
         rec["finished_at"] = time.time()
@@ -145,7 +145,7 @@ class PrecisionController:
         )
 
     def _finish(self, slot: Slot) -> None:
-        rec = slot.record(self.policy, self.layer_maps)
+        rec = slot.record()
         self.finished.append(rec)
         del self.finished[: -self.max_finished]
         if self.telemetry_path:
@@ -319,7 +319,7 @@ class PrecisionController:
 
     def telemetry(self) -> dict[str, Any]:
         with self._lock:
-            live = [s.record(self.policy, self.layer_maps) for _, s in sorted(self.slots.items())]
+            live = [s.record() for _, s in sorted(self.slots.items())]
         return {
             "policy": self.policy.describe(),
             "routing": self.routing,
