@@ -109,8 +109,10 @@ def test_uniform_steps_take_the_fast_call_and_it_matches_the_grouped_path(
     controller.geared = [geared]
     x = torch.randn(3, 128)
 
+    index = geared.index
+
     def op(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.vllm_adaptive.geared_linear(x, geared.index, weight.shape[0])
+        return torch.ops.vllm_adaptive.geared_linear(x, index, weight.shape[0])
 
     for code, precision in ((LOW, "int4"), (HIGH, "fp16"), (3, "full")):
         controller.plan = StepPlan(1, np.array([code]), None, None, None)
@@ -129,8 +131,7 @@ def test_uniform_steps_take_the_fast_call_and_it_matches_the_grouped_path(
 
     from vllm_adaptive.precision import linear as linear_mod
 
-    index = geared.index
     assert linear_mod._LINEARS[index] is geared
-    del geared, controller, op
+    del geared, controller
     gc.collect()
     assert index not in linear_mod._LINEARS  # a finished engine's layers are not kept alive
