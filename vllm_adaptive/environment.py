@@ -8,8 +8,10 @@ deprecation warning (and vLLM's own warning, which only renaming removes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 logger = logging.getLogger("vllm.adaptive.environment")
@@ -40,3 +42,22 @@ def cache_root() -> Path:
     """$ADAPTIVE_CACHE, or ~/.cache/vllm-adaptive."""
     value = setting(CACHE)
     return Path(value) if value else Path.home() / ".cache" / "vllm-adaptive"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's ISA flags as /proc/cpuinfo spells them (Linux; empty elsewhere). Here, not in
+    the kernels' modules, so that code which must not import vLLM (training) can read them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16(flags: Collection[str]) -> bool:
+    """Whether the CPU computes bf16 natively (stock's bf16 then beats its float32)."""
+    return "avx512_bf16" in flags or "amx_bf16" in flags

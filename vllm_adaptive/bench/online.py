@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_adaptive.environment import native_bf16
+
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "smollm2-135m-instruct"
 #: the plugin's entry points as ``scripts/serve.sh`` names them (stock: none)
@@ -112,11 +114,6 @@ def parse_server_spec(text: str) -> ServerSpec:
         known = sorted({*ZOO, *DERIVED})
         raise ValueError(f"--server {text!r}: unknown model {model!r}; known: {known}")
     return ServerSpec(label, dtype, adaptive, tuple(args), model)
-
-
-def native_bf16(flags: Sequence[str]) -> bool:
-    """Whether the CPU computes bf16 natively (stock's bf16 then beats its float32)."""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def default_servers(flags: Sequence[str]) -> list[ServerSpec]:

@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm_adaptive.environment import cpu_flags
+
 FP16_KERNELS = ("fbgemm_fp16", "reference")
 W8A8_KERNELS = ("onednn", "fbgemm_rows", "reference")
 W8A16_KERNELS = ("onednn", "reference")
@@ -63,11 +65,7 @@ INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 @functools.cache
 def cpu_has_int8_dot() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_flags()
     return any(flag in flags for flag in INT8_DOT_FLAGS)
 
 

@@ -508,25 +508,13 @@ class Data:
     gen_tokens: int
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's ISA flags (Linux); empty elsewhere. Read here, not through the kernels'
-    autotuner, whose module reaches vLLM: training runs without it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
-
-
 def compute_dtype(name: str) -> torch.dtype:
     """``auto``: bfloat16 where the CPU computes it natively (there it is 2-2.5x faster for the
     target pass and the head's step), float32 elsewhere (emulated bf16 is slower)."""
     if name == "auto":
-        isa = _cpu_flags()
-        name = "bfloat16" if ("avx512_bf16" in isa or "amx_bf16" in isa) else "float32"
+        from vllm_adaptive.environment import cpu_flags, native_bf16
+
+        name = "bfloat16" if native_bf16(cpu_flags()) else "float32"
     if name not in ("float32", "bfloat16"):
         raise DraftTrainError(f"--compute-dtype {name!r}: float32, bfloat16 or auto")
     return getattr(torch, name)
