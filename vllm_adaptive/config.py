@@ -557,6 +557,37 @@ class SpeculativeConfig(_Strict):
         return self.draft_precision if self.draft == "lowbit" else "full"
 
 
+class HybridConfig(_Strict):
+    """Hybrid drafting with vLLM's own learned drafter (docs/speculative.md): per request and
+    step, drafts from the request's own text where it repeats itself (a suffix tree or n-gram
+    lookup, vLLM's proposers), the learned drafter's (EAGLE / EAGLE-3, vLLM's
+    ``speculative_config``) otherwise. The learned drafter runs every step either way: its KV
+    cache must cover every accepted token.
+
+    vLLM's ``num_speculative_tokens`` is the longest lookup draft; ``learned_tokens`` how many
+    positions the learned drafter drafts (each costs a pass of the head)."""
+
+    lookup: Literal["suffix", "ngram"] = "suffix"
+    """"suffix": vLLM's suffix decoding (Arctic Inference's trees; its ``suffix_decoding_*``
+    settings are read from ``speculative_config``); "ngram": vLLM's prompt lookup."""
+    learned_tokens: int = Field(1, ge=0)
+    """Draft positions of the learned drafter (at most vLLM's ``num_speculative_tokens``)."""
+    min_lookup_tokens: int = Field(1, ge=1)
+    """A lookup draft shorter than this gives way to the learned drafter's."""
+    prompt_lookup: PromptLookupConfig | None = None
+    """"ngram": the match lengths (default min 2, max 5)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> HybridConfig:
+        if self.lookup != "ngram" and self.prompt_lookup is not None:
+            raise ValueError('"prompt_lookup" sets lookup "ngram"\'s match lengths')
+        return self
+
+    @property
+    def ngram(self) -> PromptLookupConfig:
+        return self.prompt_lookup if self.prompt_lookup is not None else PromptLookupConfig()
+
+
 class MoeConfig(_Strict):
     """Expert offloading for a MoEfied model (docs/moe.md, issue 19): every expert's weights in
     a slow tier (a memory-mapped file whose pages are dropped on eviction), a fast tier of at
@@ -611,10 +642,16 @@ class AdaptiveConfig(_Strict):
     precision: PrecisionConfig | None = None
     depth: DepthConfig | None = None
     speculative: SpeculativeConfig | None = None
+    hybrid: HybridConfig | None = None
     moe: MoeConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AdaptiveConfig:
+        if self.hybrid is not None and self.speculative is not None:
+            raise ValueError(
+                '"hybrid" mixes lookup drafts into vLLM\'s own EAGLE drafter; "speculative" is '
+                'the plugin\'s self-drafting proposer (it has its own "prompt_lookup"): use one'
+            )
         if self.moe is not None and (
             self.precision is not None or self.depth is not None or self.speculative is not None
         ):
@@ -664,6 +701,10 @@ class AdaptiveConfig(_Strict):
     @property
     def active_speculative(self) -> SpeculativeConfig | None:
         return self.speculative if self.mode == "on" else None
+
+    @property
+    def active_hybrid(self) -> HybridConfig | None:
+        return self.hybrid if self.mode == "on" else None
 
     @property
     def active_moe(self) -> MoeConfig | None:

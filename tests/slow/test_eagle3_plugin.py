@@ -57,3 +57,55 @@ def test_head_for_another_model_refused_at_start(model_dir: Path, head: Path, tm
     (other / MARKER).write_text(json.dumps({"target_fingerprint": "0" * 64}))
     with pytest.raises(Exception, match="made for another model"):
         make_llm(model_dir, {"adaptive": {}}, dtype="float32", speculative_config=_eagle3(other))
+
+
+def hybrid_summary(model) -> dict:
+    """Worker side: the hybrid drafter's per-source tally (``speculative/hybrid.py``)."""
+    return model.hybrid_drafts.summary()
+
+
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_hybrid_lookup_and_learned_drafts_output_identical_to_stock(
+    model_dir: Path, head: Path, stock_f32: dict, lookup: str
+) -> None:
+    """``adaptive.hybrid``: vLLM's EAGLE-3 proposer plus a lookup drafter, chosen per request
+    and step. With an untrained head only the lookup's drafts are accepted, so its tally shows
+    that both sources really drafted and that the lookup's drafts reached the verifier."""
+    if lookup == "suffix":
+        pytest.importorskip("arctic_inference", reason="bash scripts/install-suffix-decoding.sh")
+    hybrid = {"lookup": lookup, "learned_tokens": 1}
+    llm = make_llm(
+        model_dir,
+        {"adaptive": {"hybrid": hybrid}},
+        dtype="float32",
+        speculative_config=_eagle3(head) | {"suffix_decoding_max_cached_requests": 0},
+    )
+    try:
+        got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
+        (tally,) = llm.apply_model(hybrid_summary)
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    finally:
+        shutdown(llm)
+    for key, seqs in got.items():
+        assert seqs == stock_f32["spec_mixed"][key], key
+    assert tally["learned"]["drafts"] > 20, tally
+    assert tally["lookup"]["drafts"] > 5 and tally["lookup"]["accepted"] > 10, tally
+    assert tally["lookup"]["acceptance"] > tally["learned"]["acceptance"], tally
+    # vLLM's own counter agrees with the tally of what was verified
+    assert accepted >= tally["lookup"]["accepted"], (accepted, tally)
+
+
+def test_hybrid_without_a_learned_drafter_refused_at_start(
+    model_dir: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """The worker refuses the engine and its log (the engine's processes share the test's
+    file descriptors) names the problem."""
+    with pytest.raises(Exception, match="initialization failed"):
+        make_llm(
+            model_dir,
+            {"adaptive": {"hybrid": {"lookup": "ngram"}}},
+            dtype="float32",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        )
+    out = "".join(capfd.readouterr())
+    assert "adaptive.hybrid mixes lookup drafts into vLLM's learned drafter" in out, out[-2000:]

@@ -93,6 +93,7 @@ def test_registry_entries_are_complete():
         "masked-attention-backend",
         "cpu-expand-kernel",
         "drafter-runner",
+        "hybrid-drafts",
     }
     for name, entry in INTRUSIONS.items():
         assert entry.name == name and entry.replaces and entry.versions
@@ -168,3 +169,63 @@ def test_no_intrusion_outside_the_registry_and_no_stack_walks():
         and "register_masked_backend" in _calls(ast.parse(p.read_text()))
     ]
     assert not direct, f"apply the masked backend through intrusions.apply: {direct}"
+
+
+class _Hook:
+    def __init__(self):
+        self.calls = []
+
+    def cap_drafter(self, drafter):
+        self.calls.append(("cap", drafter))
+
+    def kept(self, sampled):
+        self.calls.append(("kept", sampled))
+
+    def drafts(self, input_batch, req_ids, learned):
+        self.calls.append(("drafts", req_ids, learned))
+        return [[9] * len(d) for d in learned]
+
+
+class _Runner:
+    def __init__(self, model):
+        self.model = model
+        self.drafter = "drafter"
+        self.input_batch = "batch"
+
+    def get_model(self):
+        return self.model
+
+    def propose(self, x):
+        return ("proposed", x)
+
+    def bookkeeping(self):
+        return (0, 1, 2, [[5], [6, 7]], 4)
+
+    def take(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[1], [2, 3]])
+
+
+@pytest.mark.parametrize("with_hook", [False, True])
+def test_hybrid_wrappers_call_the_models_hook_and_only_it(with_hook):
+    """Runners whose model has no ``hybrid_drafts`` get vLLM's results unchanged."""
+    from types import SimpleNamespace
+
+    hook = _Hook()
+    runner = _Runner(SimpleNamespace(hybrid_drafts=hook if with_hook else None))
+    propose = intrusions.hybrid_propose(_Runner.propose)
+    book = intrusions.hybrid_bookkeeping(_Runner.bookkeeping)
+    take = intrusions.hybrid_take_drafts(_Runner.take)
+    assert propose(runner, 1) == ("proposed", 1)
+    assert book(runner) == (0, 1, 2, [[5], [6, 7]], 4)
+    drafts = take(runner).draft_token_ids
+    if with_hook:
+        assert drafts == [[9], [9, 9]]
+        assert hook.calls == [
+            ("cap", "drafter"),
+            ("kept", [[5], [6, 7]]),
+            ("drafts", ["a", "b"], [[1], [2, 3]]),
+        ]
+    else:
+        assert drafts == [[1], [2, 3]] and hook.calls == []

@@ -60,6 +60,13 @@ Applied where they must be, through :func:`apply`:
     the model and its drafter, a drafter with ``attach_runner`` is handed the runner, whose
     persistent batch says which request is in which row (vLLM's ``custom_class`` interface
     passes rows only). This replaced a walk up the call stack.
+``hybrid-drafts`` (adaptive model construction, ``adaptive.hybrid``)
+    ``GPUModelRunner.propose_draft_token_ids``, ``_bookkeeping_sync`` and
+    ``take_draft_token_ids`` (the CPU runner inherits them): a model with a ``hybrid_drafts``
+    object (``speculative/hybrid.py``) gets called to cap its learned drafter's length, to note
+    the tokens each request kept, and to put lookup drafts in place of the learned ones where
+    they match. vLLM runs one drafter per engine and has no hook between them. Runners whose
+    model has none run vLLM's code unchanged.
 
 Not in the registry, because vLLM or torch offers them as hooks: the entry points
 ``vllm.stat_logger_plugins`` (``metrics.py``) and ``vllm.endpoint_plugins`` (``routes.py``); the
@@ -449,6 +456,82 @@ def _patch_runner_load_model() -> bool:
     return changed
 
 
+def _hybrid_hook(runner: Any) -> Any:
+    """The model's ``hybrid_drafts`` (``speculative/hybrid.py``), looked up once per runner."""
+    hook = runner.__dict__.get("_adaptive_hybrid_drafts", _UNSET)
+    if hook is _UNSET:
+        try:
+            model = runner.get_model()
+        except (AttributeError, AssertionError):  # no model loaded yet
+            return None
+        hook = getattr(model, "hybrid_drafts", None)
+        runner._adaptive_hybrid_drafts = hook
+    return hook
+
+
+_UNSET = object()
+
+
+def hybrid_propose(propose: Callable) -> Callable:
+    """``propose_draft_token_ids``: the hook caps the learned drafter's draft length first."""
+
+    @functools.wraps(propose)
+    def wrapped(self, *args, **kwargs):
+        hook = _hybrid_hook(self)
+        if hook is not None:
+            hook.cap_drafter(getattr(self, "drafter", None))
+        return propose(self, *args, **kwargs)
+
+    return _mark(wrapped)
+
+
+def hybrid_bookkeeping(bookkeeping: Callable) -> Callable:
+    """``_bookkeeping_sync``: the hook notes the tokens each request kept (4th result)."""
+
+    @functools.wraps(bookkeeping)
+    def wrapped(self, *args, **kwargs):
+        out = bookkeeping(self, *args, **kwargs)
+        hook = _hybrid_hook(self)
+        if hook is not None:
+            hook.kept(out[3])
+        return out
+
+    return _mark(wrapped)
+
+
+def hybrid_take_drafts(take: Callable) -> Callable:
+    """``take_draft_token_ids``: the hook replaces drafts where a lookup matches."""
+
+    @functools.wraps(take)
+    def wrapped(self, *args, **kwargs):
+        out = take(self, *args, **kwargs)
+        hook = _hybrid_hook(self)
+        if hook is None or out is None:
+            return out
+        out.draft_token_ids = hook.drafts(
+            self.input_batch, list(out.req_ids), [list(d) for d in out.draft_token_ids]
+        )
+        return out
+
+    return _mark(wrapped)
+
+
+def _patch_hybrid_drafts() -> bool:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    changed = False
+    for name, wrap in (
+        ("propose_draft_token_ids", hybrid_propose),
+        ("_bookkeeping_sync", hybrid_bookkeeping),
+        ("take_draft_token_ids", hybrid_take_drafts),
+    ):
+        original = GPUModelRunner.__dict__[name]
+        if not _patched(original):
+            setattr(GPUModelRunner, name, wrap(original))
+            changed = True
+    return changed
+
+
 INTRUSIONS: dict[str, Intrusion] = {
     e.name: e
     for e in (
@@ -494,6 +577,14 @@ INTRUSIONS: dict[str, Intrusion] = {
             "vllm.triton_utils.dispatcher's CPU expand_kernel",
             "proposer construction",
             _patch_expand_kernel,
+        ),
+        Intrusion(
+            "hybrid-drafts",
+            "GPUModelRunner.propose_draft_token_ids, _bookkeeping_sync and take_draft_token_ids",
+            "model construction",
+            _patch_hybrid_drafts,
+            other_versions="apply",
+            required=True,
         ),
         Intrusion(
             "drafter-runner",

@@ -141,7 +141,12 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "NgramProposer": (
         "vllm.v1.spec_decode.ngram_proposer",
         "NgramProposer",
-        ("speculative.proposer",),
+        ("speculative.proposer", "speculative.hybrid"),
+    ),
+    "SuffixDecodingProposer": (
+        "vllm.v1.spec_decode.suffix_decoding",
+        "SuffixDecodingProposer",
+        ("speculative.hybrid",),
     ),
     # -- the client side: the bench's engines and its teacher-forcing logits processor --
     "LLM": ("vllm", "LLM", ("bench.engine_run", "bench.moe", "bench.step_cost")),

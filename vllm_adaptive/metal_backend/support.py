@@ -98,6 +98,10 @@ def unsupported(cfg: AdaptiveConfig) -> list[tuple[str, str]]:
                     f"{list(MLX_GROUP_SIZES)}",
                 )
             )
+    if cfg.moe is not None:
+        out.append(("adaptive.moe", "expert offloading runs in the vLLM engine only"))
+    if cfg.hybrid is not None:
+        out.append(("adaptive.hybrid", "mixes drafts into vLLM's EAGLE drafter, not run on MLX"))
     return out
 
 

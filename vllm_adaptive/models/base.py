@@ -85,6 +85,13 @@ class AdaptiveCausalLM(HasAdaptiveParts):
         self._model_dir = vllm_config.model_config.model
         self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
         self.depth = None  # read by the introspection and the proposer
+        self.hybrid_drafts = None  # read by the model runner (intrusion hybrid-drafts)
+        if adaptive.active_hybrid is not None:
+            from vllm_adaptive.engine import intrusions
+            from vllm_adaptive.speculative.hybrid import HybridDrafts
+
+            intrusions.apply("hybrid-drafts")
+            self.hybrid_drafts = HybridDrafts(vllm_config, adaptive.active_hybrid)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)  # type: ignore[misc]

@@ -47,6 +47,12 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             f'{{"method": "custom_class", "model": "{SELF_SPECULATIVE_PROPOSER}", '
             '"num_speculative_tokens": k}'
         )
+    if adaptive.active_hybrid is not None:
+        from vllm_adaptive.speculative.hybrid import engine_problem
+
+        problem = engine_problem(spec, adaptive.active_hybrid)
+        if problem is not None:
+            raise AdaptiveConfigError(problem)
     if spec is not None and getattr(spec, "method", None) in ("eagle", "eagle3"):
         if adaptive.active_depth is not None:
             raise AdaptiveConfigError(
