@@ -89,7 +89,11 @@ def gemma_dir() -> Path:
 def _model_key(model_dir: Path) -> dict:
     from vllm_adaptive.artifacts import model_fingerprint
 
-    return {"model": model_fingerprint(model_dir), **artifacts.machine_key()}
+    return {
+        "model": model_fingerprint(model_dir),
+        "tokenizer": artifacts.tokenizer_hash(model_dir),
+        **artifacts.machine_key(),
+    }
 
 
 def _stock(model_dir: Path, dtype: str, workloads: list[str], **overrides) -> dict:

@@ -37,6 +37,37 @@ def _root() -> Path:
     return cache_root() / "test-artifacts"
 
 
+#: The files a Hugging Face tokenizer is built from (those a model directory has).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+def tokenizer_hash(model_dir: Path) -> str:
+    """sha256 over the model directory's tokenizer files (names and bytes)."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 @cache
 def machine_key() -> dict[str, Any]:
     """Versions and ISA flags: what stock kernels' numerics depend on besides the model."""
@@ -61,6 +92,9 @@ def machine_key() -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "vllm": vllm_version,
+        # the tokenizer's code: the same files can tokenize differently across releases
+        "transformers": _version("transformers"),
+        "tokenizers": _version("tokenizers"),
         "isa": sorted(f for f in ISA_FLAGS if f in flags),
     }
 
