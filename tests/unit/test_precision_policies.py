@@ -326,7 +326,7 @@ def test_fixed_gear_costs_no_entropy_and_no_prompt_decode(monkeypatch) -> None:
         if policy == "gearbx":
             monkeypatch.setattr(c, "_prompt_text", lambda ids: None)
         c.slots[0] = c._new_slot(parse_overrides(None), [1, 2, 3])
-        c.plan = ctl.StepPlan(1, np.array([HIGH]), None, np.array([3]), np.array([0, 1]))
+        c.plan = ctl.GearStepPlan(1, np.array([HIGH]), None, np.array([3]), np.array([0, 1]))
         c.observe_logits(torch.randn(1, V))
         assert calls["entropy"] == entropy_calls
         rec = c.slots[0].record()

@@ -93,7 +93,7 @@ def test_uniform_steps_take_the_fast_call_and_it_matches_the_grouped_path(
 
     from vllm_adaptive.config import parse_adaptive_config
     from vllm_adaptive.gears import HIGH, LOW
-    from vllm_adaptive.precision.controller import PrecisionController, StepPlan
+    from vllm_adaptive.precision.controller import GearStepPlan, PrecisionController
     from vllm_adaptive.precision.linear import GearedLinear
     from vllm_adaptive.precision.policies import build_policy
 
@@ -115,12 +115,12 @@ def test_uniform_steps_take_the_fast_call_and_it_matches_the_grouped_path(
         return torch.ops.vllm_adaptive.geared_linear(x, index, weight.shape[0])
 
     for code, precision in ((LOW, "int4"), (HIGH, "fp16"), (3, "full")):
-        controller.plan = StepPlan(1, np.array([code]), None, None, None)
+        controller.plan = GearStepPlan(1, np.array([code]), None, None, None)
         controller._set_uniform(code)
         assert geared.fast is not None
         assert torch.equal(op(x), geared.run(x, precision)), precision
     mixed = torch.tensor([LOW, HIGH, LOW])
-    controller.plan = StepPlan(2, np.array([LOW, HIGH]), mixed, None, None)
+    controller.plan = GearStepPlan(2, np.array([LOW, HIGH]), mixed, None, None)
     controller._set_uniform(None)
     assert geared.fast is None
     got = op(x)

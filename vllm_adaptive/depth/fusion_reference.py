@@ -54,7 +54,7 @@ def check_model(model) -> None:
 
 
 @dataclass
-class FusionEvent:
+class ReferenceFusionEvent:
     """One group fused after ``layer`` blocks: the prompt tokens it stands for."""
 
     layer: int
@@ -80,7 +80,7 @@ class FusionRun:
     nll: torch.Tensor  # [C] -log p(continuation token) at T=1
     argmax: torch.Tensor  # [C] greedy token at each continuation prediction
     active_prompt_rows: list[int]  # [L] prompt rows computed by each block
-    events: list[FusionEvent] = field(default_factory=list)
+    events: list[ReferenceFusionEvent] = field(default_factory=list)
     distances: dict[int, torch.Tensor] = field(default_factory=dict)  # l -> fusable pairs' d
 
     @property
@@ -210,7 +210,7 @@ def fused_forward(
     span_first = torch.arange(t)  # first token each row stands for
     mass = torch.ones(t)
     active_prompt = [prompt_len] * start.layer
-    events: list[FusionEvent] = []
+    events: list[ReferenceFusionEvent] = []
     distances: dict[int, torch.Tensor] = {}
     score, sim_sum, sim_blocks = start.score, start.attn_sim, start.layer
     if sim_sum is not None:
@@ -226,7 +226,9 @@ def fused_forward(
             g = fusion_groups(h, rule, exempt=~ok, attn_sim=sim, score=score, mass=mass[active],
                               token_ids=tokens.cpu()[active])  # fmt: skip
             for s, e in zip(g.starts.tolist(), g.ends.tolist(), strict=True):
-                events.append(FusionEvent(j, int(span_first[active[s]]), int(active[e]), e - s + 1))
+                events.append(
+                    ReferenceFusionEvent(j, int(span_first[active[s]]), int(active[e]), e - s + 1)
+                )
             if g.num_groups:
                 keep, h = apply_fusion(h, g)
                 keep = keep.cpu()

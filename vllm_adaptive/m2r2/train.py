@@ -89,12 +89,14 @@ _RESUME_KEYS = (
 
 # -- data ------------------------------------------------------------------------------------
 @dataclass
-class Data:
+class M2R2Data:
     train: torch.Tensor  # [n, seq_len + 1] int64
     val: torch.Tensor  # [m, seq_len + 1] int64
 
 
-def load_data(tok, corpora: list[str], seq_len: int, val_windows: int) -> tuple[Data, list[str]]:
+def load_data(
+    tok, corpora: list[str], seq_len: int, val_windows: int
+) -> tuple[M2R2Data, list[str]]:
     """Non-overlapping windows of seq_len + 1 tokens: every window of the calibration part of
     each corpus for training; ``val_windows`` (split over the corpora) spread over the held-out
     evaluation part for validation."""
@@ -116,7 +118,7 @@ def load_data(tok, corpora: list[str], seq_len: int, val_windows: int) -> tuple[
             eval_ids = tok(cf.eval_text, add_special_tokens=False)["input_ids"]
             val.extend(token_windows(eval_ids, w, want))
     empty = torch.empty(0, seq_len + 1, dtype=torch.long)
-    return Data(
+    return M2R2Data(
         torch.tensor(train, dtype=torch.long),
         torch.tensor(val, dtype=torch.long) if val else empty,
     ), shas

@@ -28,7 +28,7 @@ from vllm_adaptive.metal_backend.depth import DepthRunner
 from vllm_adaptive.metal_backend.gear_control import GearController
 from vllm_adaptive.metal_backend.geared import GearSwitch
 from vllm_adaptive.metal_backend.loading import load_mlx, model_dtype_name, read_hf_config
-from vllm_adaptive.metal_backend.speculative import LowBitDraft, SpecStats, verify
+from vllm_adaptive.metal_backend.speculative import MlxLowBitDraft, SpecStats, verify
 from vllm_adaptive.metal_backend.support import check_supported
 from vllm_adaptive.overrides import RequestOverrides
 
@@ -93,7 +93,7 @@ class MlxEngine:
         self.dtype = model_dtype_name(self.model)
         self.gears: GearController | None = None
         self.depth: DepthRunner | None = None
-        self.draft: LowBitDraft | None = None
+        self.draft: MlxLowBitDraft | None = None
         self.layout: LlamaLayout | None = None
         if self.config.any_mechanism_enabled:
             try:
@@ -114,7 +114,7 @@ class MlxEngine:
                 raise AdaptiveConfigError(f"adaptive.depth.profile: {e}") from None
         if self.config.active_speculative is not None:
             try:
-                self.draft = LowBitDraft(self.layout, self.config.active_speculative)
+                self.draft = MlxLowBitDraft(self.layout, self.config.active_speculative)
             except ValueError as e:
                 raise AdaptiveConfigError(str(e)) from None
         self.lock = threading.Lock()

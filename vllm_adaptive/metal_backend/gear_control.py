@@ -23,7 +23,7 @@ from vllm_adaptive.flops import BYTES_PER_PARAM
 from vllm_adaptive.gears import BITS, LEVEL_NAMES
 from vllm_adaptive.metal_backend.arch import LlamaLayout
 from vllm_adaptive.metal_backend.entropy import entropy_bits
-from vllm_adaptive.metal_backend.geared import OFF, GearedLinear, GearSwitch
+from vllm_adaptive.metal_backend.geared import OFF, GearSwitch, MlxGearedLinear
 from vllm_adaptive.metal_backend.quant import (
     QuantTier,
     check_group_size,
@@ -59,9 +59,9 @@ def build_tiers(
 
 def install_gears(
     layout: LlamaLayout, cfg: PrecisionConfig, switch: GearSwitch
-) -> tuple[list[GearedLinear], list[tuple[str, ...]]]:
-    """Replace every managed linear by a `GearedLinear`; returns them and each layer's map."""
-    geared: list[GearedLinear] = []
+) -> tuple[list[MlxGearedLinear], list[tuple[str, ...]]]:
+    """Replace every managed linear by a `MlxGearedLinear`; returns them and each layer's map."""
+    geared: list[MlxGearedLinear] = []
     maps = []
     for i in range(layout.num_layers):
         first = len(geared)
@@ -74,7 +74,7 @@ def install_gears(
                 linear = getattr(parent, attr)
                 key = "adaptive.precision.group_size"
                 tiers = build_tiers(linear.weight, set(level_map), cfg, key)
-                g = GearedLinear(linear, level_map, tiers, switch)
+                g = MlxGearedLinear(linear, level_map, tiers, switch)
                 setattr(parent, attr, g)
                 geared.append(g)
         mx.eval([t.wq for g in geared[first:] for t in g.tiers.values()])

@@ -26,7 +26,7 @@ class GearSwitch:
         self.code = code
 
 
-class GearedLinear(nn.Module):
+class MlxGearedLinear(nn.Module):
     """``nn.Linear`` whose weight runs at the precision its code maps to."""
 
     def __init__(
@@ -75,6 +75,6 @@ class GearedLinear(nn.Module):
         return int(self.full.weight.nbytes)
 
 
-def install(parent: Any, attr: str, geared: GearedLinear) -> None:
+def install(parent: Any, attr: str, geared: MlxGearedLinear) -> None:
     """Put ``geared`` in place of ``parent.<attr>``."""
     setattr(parent, attr, geared)

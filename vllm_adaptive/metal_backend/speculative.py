@@ -1,7 +1,7 @@
 """The lowbit self-draft for the MLX engine: the model's own blocks on packed copies of its
 weights draft ``k`` tokens, the full model verifies them in one pass (output unchanged).
 
-Mechanism: every decoder linear becomes a `GearedLinear` whose draft code runs the packed tier
+Mechanism: every decoder linear becomes a `MlxGearedLinear` whose draft code runs the packed tier
 (``adaptive.speculative.precision``: int4 on ``group_size`` groups, symmetric or MLX's affine
 grid; int8 symmetric), and whose full code runs the weight itself; the LM head has its own
 precision (``head``). The draft keeps its own KV cache (its K/V come from packed weights), so
@@ -25,7 +25,7 @@ import mlx.core as mx
 from vllm_adaptive.config import SpeculativeConfig
 from vllm_adaptive.gears import BITS
 from vllm_adaptive.metal_backend.arch import LlamaLayout
-from vllm_adaptive.metal_backend.geared import GearedLinear, GearSwitch
+from vllm_adaptive.metal_backend.geared import GearSwitch, MlxGearedLinear
 from vllm_adaptive.metal_backend.quant import QuantTier, check_group_size, quantize
 
 DRAFT, FULL = 0, 1  # switch codes of the speculative engine's geared linears
@@ -39,7 +39,7 @@ def draft_tier(weight: mx.array, precision: str, cfg: SpeculativeConfig, key: st
     return quantize(weight, bits, g, scheme)
 
 
-class LowBitDraft:
+class MlxLowBitDraft:
     """Packed copies of every decoder linear and of the LM head, switched by a `GearSwitch`."""
 
     def __init__(self, layout: LlamaLayout, cfg: SpeculativeConfig) -> None:
@@ -47,7 +47,7 @@ class LowBitDraft:
         self.config = cfg
         self.switch = GearSwitch(FULL)
         precision = cfg.draft_precision
-        self.geared: list[GearedLinear] = []
+        self.geared: list[MlxGearedLinear] = []
         for i in range(layout.num_layers):
             first = len(self.geared)
             for module in MODULES:
@@ -56,7 +56,7 @@ class LowBitDraft:
                     tier = draft_tier(
                         linear.weight, precision, cfg, "adaptive.speculative.group_size"
                     )
-                    g = GearedLinear(linear, (precision,), {precision: tier}, self.switch)
+                    g = MlxGearedLinear(linear, (precision,), {precision: tier}, self.switch)
                     setattr(parent, attr, g)
                     self.geared.append(g)
             mx.eval([t.wq for g in self.geared[first:] for t in g.tiers.values()])

@@ -347,7 +347,7 @@ EVICTIONS = ("lru", "cyclic")
 
 
 @dataclass
-class Slot:
+class ExpertSlot:
     index: int
     key: Key | None = None
     state: str = EMPTY
@@ -405,7 +405,7 @@ class FastTier:
         layout = self.slow.layout
         self.buffer = torch.zeros((self.num_slots, layout.stride), dtype=torch.uint8)
         self._np = self.buffer.numpy()
-        self.slots = [Slot(i) for i in range(self.num_slots)]
+        self.slots = [ExpertSlot(i) for i in range(self.num_slots)]
         self.where: dict[Key, int] = {}
         self._clock = 0
         self.loader = Loader()
@@ -446,7 +446,7 @@ class FastTier:
 
     # -- state (caller's thread only) ---------------------------------------------------------
 
-    def _poll(self, slot: Slot) -> None:
+    def _poll(self, slot: ExpertSlot) -> None:
         if slot.state == LOADING and slot.future is not None and slot.future.done():
             slot.future.result()  # re-raise a failed load here
             slot.state, slot.future, slot.evicted = READY, None, None
@@ -462,7 +462,7 @@ class FastTier:
     # tests/unit/test_moe_tiers.py checks that both choose the same slot at every load of a
     # trace).
 
-    def _rank(self, slot: Slot) -> tuple:
+    def _rank(self, slot: ExpertSlot) -> tuple:
         """Eviction order: the smallest goes first (soft pins last)."""
         if self.eviction == "cyclic" and slot.key is not None:
             layers = self.slow.num_layers
@@ -470,7 +470,7 @@ class FastTier:
             return (slot.soft, -comes_back_in, slot.last_use)
         return (slot.soft, 0, slot.last_use)
 
-    def _victim_scan(self, allow_soft: bool) -> Slot | None:
+    def _victim_scan(self, allow_soft: bool) -> ExpertSlot | None:
         """The reference victim search (see above): every slot, O(slots)."""
         best, best_rank = None, None
         for slot in self.slots:
@@ -486,12 +486,12 @@ class FastTier:
                 best, best_rank = slot, rank
         return best
 
-    def _bucket(self, slot: Slot) -> tuple[bool, int]:
+    def _bucket(self, slot: ExpertSlot) -> tuple[bool, int]:
         # cyclic: one bucket per (soft, layer), searched in cycle order; lru: one per soft
         layer = slot.key[0] if self.eviction == "cyclic" and slot.key is not None else 0
         return (slot.soft, layer)
 
-    def _index(self, slot: Slot) -> None:
+    def _index(self, slot: ExpertSlot) -> None:
         """Record ``slot`` as evictable if it is (READY, no hard pin); call after any change of
         its state, pins, soft pin or last use. Entries that stop being true are skipped later."""
         if slot.state == EMPTY:
@@ -514,7 +514,7 @@ class FastTier:
             and self._bucket(slot) == bucket
         )
 
-    def _top(self, bucket: tuple[bool, int]) -> Slot | None:
+    def _top(self, bucket: tuple[bool, int]) -> ExpertSlot | None:
         heap = self._buckets.get(bucket)
         while heap:
             if self._current(heap[0], bucket):
@@ -522,7 +522,7 @@ class FastTier:
             heapq.heappop(heap)
         return None
 
-    def _victim(self, allow_soft: bool) -> Slot | None:
+    def _victim(self, allow_soft: bool) -> ExpertSlot | None:
         """The slot :meth:`_victim_scan` would choose, from the index."""
         while self._done:  # loads finished since the last search: READY now
             self._poll(self.slots[self._done.popleft()])

@@ -70,7 +70,7 @@ class Slot:
 
 
 @dataclass
-class StepPlan:
+class GearStepPlan:
     num_reqs: int
     codes: np.ndarray  # per request
     token_codes: torch.Tensor | None  # per token (token routing)
@@ -98,7 +98,7 @@ class PrecisionController:
             lambda overrides, prompt_ids, _out: self._new_slot(overrides, prompt_ids), self._finish
         )
         self.slots = self.mirror.slots
-        self.plan: StepPlan | None = None
+        self.plan: GearStepPlan | None = None
         self.geared: list = []  # the engine's GearedLinears (models/precision.py fills it)
         self._uniform_code: int | None = None  # the code every geared linear's fast call runs
         self.finished: list[dict[str, Any]] = []
@@ -169,7 +169,7 @@ class PrecisionController:
             or any(i not in self.slots for i in range(num_reqs))
         ):
             # A dummy / profiling run, or a batch we cannot map: everything at the high gear.
-            self.plan = StepPlan(0, np.full(1, HIGH), None, None, None, pending_logits=False)
+            self.plan = GearStepPlan(0, np.full(1, HIGH), None, None, None, pending_logits=False)
             self._set_uniform(HIGH)
             return
         last = positions[torch.from_numpy(qsl[1:] - 1).to(positions.device)].cpu().numpy()
@@ -183,7 +183,7 @@ class PrecisionController:
             if token_codes.shape[0] < num_tokens:  # padding rows: run them at the high gear
                 pad = torch.full((num_tokens - token_codes.shape[0],), HIGH, dtype=torch.int64)
                 token_codes = torch.cat([token_codes, pad])
-        self.plan = StepPlan(num_reqs, codes, token_codes, last, qsl)
+        self.plan = GearStepPlan(num_reqs, codes, token_codes, last, qsl)
         if self.config.offload_inactive:
             self.offload_inactive(set(codes.tolist()) | self._prewarm_codes())
         # Every row of every layer runs one code unless tokens are routed apart (step routing:

@@ -497,7 +497,7 @@ def self_windows(model, prompts: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @dataclass
-class Data:
+class Eagle3Data:
     tokens: torch.Tensor  # [n, T] int32
     aux: torch.Tensor  # [n, T, 3h] bf16
     topk_ids: torch.Tensor  # [n, T, k] int32
@@ -540,7 +540,7 @@ def _data_spec(opts: DraftTrainOptions, fingerprint: str, layers: list[int]) -> 
 
 def build_data(
     model, tok, opts: DraftTrainOptions, corpora, layers: list[int], data_dir: Path, spec: dict
-) -> Data:
+) -> Eagle3Data:
     """Run the target over the training windows and the eval prompts, or read what an earlier
     run with the same spec cached (shards: an interrupted generation continues)."""
     from tqdm import tqdm
@@ -632,7 +632,7 @@ def build_data(
         stats_path.write_text(json.dumps(stats))
     shards = [torch.load(f, weights_only=True) for f in sorted(data_dir.glob("train-*.pt"))]
     ev = torch.load(data_dir / "eval.pt", weights_only=True)
-    return Data(
+    return Eagle3Data(
         tokens=torch.cat([s["tokens"] for s in shards]),
         aux=torch.cat([s["aux"] for s in shards]),
         topk_ids=torch.cat([s["topk_ids"] for s in shards]),

@@ -10,7 +10,7 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install '.[mlx]')")
 nn = pytest.importorskip("mlx.nn")
 
-from vllm_adaptive.metal_backend.geared import OFF, GearedLinear, GearSwitch  # noqa: E402
+from vllm_adaptive.metal_backend.geared import OFF, GearSwitch, MlxGearedLinear  # noqa: E402
 from vllm_adaptive.metal_backend.quant import (  # noqa: E402
     check_group_size,
     matryoshka_tiers,
@@ -93,7 +93,7 @@ def test_geared_linear_runs_the_precision_of_the_switch_code() -> None:
         "int8": quantize(lin.weight, 8, 32, "symmetric"),
     }
     switch = GearSwitch()
-    g = GearedLinear(lin, ("int4", "int8", "full"), tiers, switch)
+    g = MlxGearedLinear(lin, ("int4", "int8", "full"), tiers, switch)
     assert g.precisions == ("int4", "int8", "full", "full")
     x = mx.array(np.random.default_rng(2).standard_normal((2, 128)).astype(np.float32))
     for code, want in ((0, tiers["int4"]), (1, tiers["int8"])):
@@ -105,4 +105,4 @@ def test_geared_linear_runs_the_precision_of_the_switch_code() -> None:
         switch.code = code
         assert np.array_equal(np.array(g(x)), np.array(lin(x)))
     with pytest.raises(ValueError, match="no packed tier"):
-        GearedLinear(lin, ("int2", "int8", "full"), tiers, switch)
+        MlxGearedLinear(lin, ("int2", "int8", "full"), tiers, switch)
