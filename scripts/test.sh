@@ -4,7 +4,8 @@
 #
 #   bash scripts/test.sh           the default tier: tests/unit, tests/engine, tests/server
 #   bash scripts/test.sh --all     the full suite: also tests/slow (bench end to end, training,
-#                                  calibration CLI runs, the per-draft preemption matrix, ...)
+#                                  calibration CLI runs, the per-draft preemption matrix, Ray
+#                                  Serve: installs the `ray` extra into .venv, ...)
 #
 # Other arguments go to pytest (e.g. `-k identity`, or a path). Two pytest workers share the
 # two cores; each worker's engines are bound to their own core (tests/conftest.py).
@@ -17,6 +18,10 @@ args=()
 for a in "$@"; do
     if [ "$a" = "--all" ]; then tier=(); else args+=("$a"); fi
 done
+if [ ${#tier[@]} -eq 0 ]; then
+    # the full suite runs the Ray Serve deployment test too: it needs the `ray` extra
+    export ADAPTIVE_EXTRAS=${ADAPTIVE_EXTRAS:-cpu,dev,mlx,ray}
+fi
 
 bash scripts/setup-venv.sh
 .venv/bin/vllm-adaptive models prepare smollm2-135m-instruct
