@@ -47,6 +47,7 @@ def test_model_class(engine) -> None:
             "precision": None,
             "depth": None,
             "speculative": None,
+            "hybrid": None,
             "moe": None,
         }
 
