@@ -139,3 +139,20 @@ def test_spec_acceptance_from_vllm_metrics() -> None:
     assert got["spec_acceptance"] == 9.0 / 18.0 and got["spec_accepted_per_draft"] == 9.0 / 6.0
     assert online.acceptance({}, {}) == {}  # a server that does not draft
     assert online.parse_spec_counters("vllm:num_requests_running 1.0") == {}
+
+
+def test_hybrid_tally_is_the_last_one_the_server_logged(tmp_path) -> None:
+    log = tmp_path / "server.log"
+    line = (
+        "(Worker pid=1) INFO 11-26 18:00:00 [hybrid.py:120] vllm-adaptive hybrid drafts after "
+        "{n} steps: {{'steps': {n}, 'lookup': {{'drafts': {d}, 'tokens': 9, 'accepted': 6, "
+        "'acceptance': 0.6667}}, 'learned': {{'drafts': 1, 'tokens': 1, 'accepted': 0, "
+        "'acceptance': 0.0}}}}\n"
+    )
+    log.write_text("start\n" + line.format(n=512, d=3) + line.format(n=1024, d=7) + "stop\n")
+    tally = online.hybrid_tally(log)["hybrid_tally"]
+    assert tally["steps"] == 1024 and tally["lookup"]["drafts"] == 7
+    assert tally["learned"] == {"drafts": 1, "tokens": 1, "accepted": 0, "acceptance": 0.0}
+    log.write_text("a server that does not mix drafts\n")
+    assert online.hybrid_tally(log) == {}
+    assert online.hybrid_tally(tmp_path / "missing.log") == {}

@@ -326,6 +326,20 @@ def serving(
         _stop_group(proc)
 
 
+_HYBRID = re.compile(r"hybrid drafts after (\d+) steps: (\{.*\})")
+
+
+def hybrid_tally(log: Path) -> dict[str, Any]:
+    """The last per-source tally a hybrid-drafting server logged (``speculative/hybrid.py``
+    logs one every 512 drafting steps), as ``{"hybrid_tally": {...}}``; empty for others."""
+    import ast
+
+    found = _HYBRID.findall(log.read_text(errors="replace")) if log.is_file() else []
+    if not found:
+        return {}
+    return {"hybrid_tally": ast.literal_eval(found[-1][1])}
+
+
 def engine_init(log: Path) -> dict[str, float | None]:
     """vLLM's own engine-init and compile seconds from a server log."""
     m = _INIT.search(log.read_text(errors="replace")) if log.is_file() else None
@@ -639,6 +653,7 @@ def run(
                     ),
                     flush=True,
                 )
+        rec["starts"][-1].update(hybrid_tally(log))  # the server has stopped: its whole log
     plain = {  # the references: stock on the default checkpoint, as vLLM serves it
         s.label for s in servers if s.stock and not s.serve_args and s.model == SERVED_NAME
     }
