@@ -141,7 +141,7 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "NgramProposer": (
         "vllm.v1.spec_decode.ngram_proposer",
         "NgramProposer",
-        ("speculative.proposer", "speculative.hybrid"),
+        ("speculative.proposer",),
     ),
     "SuffixDecodingProposer": (
         "vllm.v1.spec_decode.suffix_decoding",

@@ -18,7 +18,6 @@ whatever it is handed against the target.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from typing import Any
@@ -138,12 +137,10 @@ class HybridDrafts:
         )
 
     def _build_lookup(self) -> Any:
-        from vllm_adaptive.engine.vllm_api import NgramProposer, SuffixDecodingProposer
+        if self.settings.lookup == "ngram":
+            from vllm_adaptive.speculative.proposer import prompt_lookup_proposer
 
-        config = copy.copy(self.vllm_config)
-        config.speculative_config = copy.copy(self.vllm_config.speculative_config)
-        if self.settings.lookup == "suffix":
-            return SuffixDecodingProposer(config)
-        config.speculative_config.prompt_lookup_min = self.settings.ngram.min
-        config.speculative_config.prompt_lookup_max = self.settings.ngram.max
-        return NgramProposer(config)
+            return prompt_lookup_proposer(self.vllm_config, self.settings.ngram)
+        from vllm_adaptive.engine.vllm_api import SuffixDecodingProposer
+
+        return SuffixDecodingProposer(self.vllm_config)

@@ -26,6 +26,7 @@ import torch
 from vllm_adaptive.config import (
     SELF_SPECULATIVE_PROPOSER,
     AdaptiveConfigError,
+    PromptLookupConfig,
     SpeculativeConfig,
     adaptive_config_from_vllm,
 )
@@ -43,14 +44,13 @@ logger = logging.getLogger("vllm.adaptive.speculative")
 LOG_EVERY_STEPS = 256
 
 
-def prompt_lookup_proposer(vllm_config: Any, settings: SpeculativeConfig) -> Any:
+def prompt_lookup_proposer(vllm_config: Any, lookup: PromptLookupConfig) -> Any:
     """vLLM's own n-gram proposer, on a copy of the engine config that names its match
-    lengths (the engine's speculative method is ``custom_class``, which sets none)."""
+    lengths (the engine's speculative method is another one, which sets none)."""
     import copy
 
     from vllm_adaptive.engine.vllm_api import NgramProposer
 
-    lookup = settings.prompt_lookup
     config = copy.copy(vllm_config)
     config.speculative_config = copy.copy(vllm_config.speculative_config)
     config.speculative_config.prompt_lookup_min = lookup.min
@@ -112,7 +112,7 @@ class SelfSpeculativeProposer:
         self.draft = draft
         self.draft_pass = compiled_draft_pass(draft.forward, engine_compiles(self.vllm_config))
         if self.settings.prompt_lookup is not None:
-            self.lookup = prompt_lookup_proposer(self.vllm_config, self.settings)
+            self.lookup = prompt_lookup_proposer(self.vllm_config, self.settings.prompt_lookup)
         self.step = SharedKVDraftStep(model, self.vllm_config)
         self.step.check_backend()
         model.register_forward_pre_hook(lambda _module, _args: self.step.capture())
