@@ -121,6 +121,13 @@ def stock_bf16(model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def stock_f32_identity(model_dir: Path) -> dict:
+    """Stock vLLM (plugin not loaded), float32, the suite's engine arguments: the identity
+    workload (the compiled depth engine's reference)."""
+    return _stock(model_dir, "float32", ["identity"])
+
+
+@pytest.fixture(scope="session")
 def stock_f32(model_dir: Path) -> dict:
     """Stock vLLM (plugin not loaded), float32, the suite's engine arguments: the speculation
     workloads and the ARLA batch."""

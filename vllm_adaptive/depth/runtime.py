@@ -183,7 +183,7 @@ class DepthRuntime:
         self.kv.kv_cache_ready(self, parts)
         logger.info(
             "vllm-adaptive depth: record for %d slots (block size %d), signal %s, kv_strategy "
-            "%s, budget %.3g (%s), probes %s, floor %s, refresh %s",
+            "%s, budget %.3g (%s), probes %s, floor %s, refresh %s, blocks %s",
             self.record.num_slots,
             block_size,
             "+".join(self.signal_names),
@@ -193,8 +193,17 @@ class DepthRuntime:
             self.profile.probe_layers,
             self.config.floor,
             self.config.refresh,
+            _blocks_note(self.block_compile_seconds()),
         )
         return True
+
+    def block_compile_seconds(self) -> float | None:
+        """Seconds the decoder blocks spent compiling (at vLLM's warm-up); None when they run
+        eagerly or have not all compiled yet."""
+        seconds = [getattr(layer.compiled, "compile_seconds", None) for layer in self.parts.layers]
+        if any(s is None for s in seconds):
+            return None
+        return float(sum(seconds))
 
     # -- 1. plan ---------------------------------------------------------------------------------
     def _plan(self, parts: ModelParts, md: Any, positions: torch.Tensor) -> StepPlan:
@@ -237,6 +246,10 @@ class DepthRuntime:
                     self.counters.prefills_with_context += 1
                 self.kv.plan_prefill(self, draft, r, low)
                 floor[r] = cap[r]
+        if self.emad_only:
+            # a row whose thresholds all lie below the proxy's floor can pass no probe (a
+            # budget of 1.0): no candidate work for it at any layer
+            may_exit &= (thresholds >= self.profile.proxy_floor).any(axis=1)
         return StepPlan(
             cap=torch.from_numpy(cap),
             floor=torch.from_numpy(floor),
@@ -392,6 +405,8 @@ class DepthRuntime:
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
+        # nothing to decide between layers: no row may exit and none stops at a cap
+        probing = any_exit or bool((plan.cap < L).any())
         step = Step(parts, md, plan, input_ids, ctx)
         cur_md = md  # metadata of the active rows and tokens
         sf = plan.fusion
@@ -410,7 +425,7 @@ class DepthRuntime:
             prev = None
             if any_exit and self._needs_prev(count):
                 prev = h if res is None else h + res  # the block's input stream
-            h, res = layer.block(pos, h, res)
+            h, res = layer.run_block(pos, h, res)
             if count in fusion_layers and rows.numel() > 0:
                 t1 = time.perf_counter()
                 got = self.fusion.fuse(
@@ -430,7 +445,7 @@ class DepthRuntime:
                     self._publish_positions(pos)
                 c.peel_seconds += time.perf_counter() - t1
             p = self.probe_index.get(count)
-            if p is None:
+            if p is None or not probing:
                 continue
             t0 = time.perf_counter()
             stop = plan.cap[rows] == count
@@ -570,6 +585,13 @@ class DepthRuntime:
             "peel_seconds": c.peel_seconds,
             "accelerated_seconds": c.accelerated_seconds,
             "forward_seconds": c.forward_seconds,
+            "block_compile_seconds": self.block_compile_seconds(),
             "requests_finished": self.requests.finished_count,
             "fusion": self.fusion.stats() if self.fusion is not None else None,
         }
+
+
+def _blocks_note(compile_seconds: float | None) -> str:
+    if compile_seconds is None:
+        return "eager"
+    return f"compiled ({compile_seconds:.1f} s at warm-up)"

@@ -48,6 +48,7 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
         ("models.base", "models.gemma3", "models.llama", "models.moefied_llama"),
     ),
     "CUDAGraphMode": ("vllm.config", "CUDAGraphMode", ("models.llama",)),
+    "CompilationMode": ("vllm.config", "CompilationMode", ("models.llama",)),
     "IntermediateTensors": (
         "vllm.sequence",
         "IntermediateTensors",
@@ -70,12 +71,18 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "get_forward_context": (
         "vllm.forward_context",
         "get_forward_context",
-        ("depth.peeling", "depth.runtime", "precision.controller", "speculative.draft_step"),
+        (
+            "depth.peeling",
+            "depth.runtime",
+            "models.llama",
+            "precision.controller",
+            "speculative.draft_step",
+        ),
     ),
     "is_forward_context_available": (
         "vllm.forward_context",
         "is_forward_context_available",
-        ("depth.runtime", "precision.controller", "speculative.draft_step"),
+        ("depth.runtime", "models.llama", "precision.controller", "speculative.draft_step"),
     ),
     "set_forward_context": (
         "vllm.forward_context",

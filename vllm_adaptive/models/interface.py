@@ -56,6 +56,15 @@ class LayerParts:
     k_norm: nn.Module | None = None  # Gemma 3: per-head norm of keys
     sliding_window: int | None = None  # tokens a query sees; None: global attention
     experts: nn.Module | None = None  # MoEfied: the routed experts that replace the MLP
+    #: ``block`` compiled for any token count (``models/compiled_blocks.py``); None: eager
+    compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def run_block(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole layer for these tokens: the compiled block where the engine compiles."""
+        fn = self.compiled if self.compiled is not None else self.block
+        return fn(positions, hidden, residual)
 
     @property
     def llama_block(self) -> bool:

@@ -21,14 +21,17 @@ from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_c
 from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.depth.runtime import DepthRuntime
 from vllm_adaptive.engine.vllm_api import (
+    CompilationMode,
     CUDAGraphMode,
     IntermediateTensors,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
     VllmConfig,
+    get_forward_context,
     get_pp_group,
     ignore_torch_compile,
+    is_forward_context_available,
 )
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
 from vllm_adaptive.models.interface import LayerParts, ModelParts
@@ -155,16 +158,35 @@ class AdaptiveLlamaModel(LlamaModel):
         **extra_layer_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer for every token: the path with depth off, and the fallback for steps the
-        depth runtime does not plan (dummy, profiling and padded steps, later pipeline stages)."""
+        depth runtime does not plan (dummy, profiling and padded steps, later pipeline stages).
+        With depth on it runs the runtime's blocks, so vLLM's warm-up compiles them."""
+        runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
+        if runtime is not None and not extra_layer_kwargs:
+            warm_up = runtime.block_compile_seconds() is None and _attention_skipped()
+            for layer in runtime.parts.layers:
+                if warm_up and layer.compiled is not None:
+                    hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
+                else:
+                    hidden, residual = layer.run_block(positions, hidden, residual)
+            return hidden, residual
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
         return hidden, residual
 
 
+def _attention_skipped() -> bool:
+    """No attention metadata this step (vLLM's warm-up and profiling runs)."""
+    if not is_forward_context_available():
+        return True
+    md = get_forward_context().attn_metadata
+    return md is None or (isinstance(md, dict) and all(v is None for v in md.values()))
+
+
 @ignore_torch_compile
 class EagerAdaptiveLlamaModel(AdaptiveLlamaModel):
     """The decoder for adaptive depth: which tokens run which layer depends on the data, so
-    it runs eagerly whatever the compilation config (the rest of vLLM is unchanged)."""
+    vLLM does not compile its forward as one graph; each block is compiled on its own
+    instead (``models/compiled_blocks.py``) unless the engine runs eagerly."""
 
 
 def _needs_masked_attention(depth) -> bool:
@@ -292,6 +314,9 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
             intrusions.apply("masked-attention-backend")  # before the layers pick a backend
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self._init_adaptive(vllm_config, adaptive)
+        self._compile_blocks = adaptive.active_depth is not None and (
+            vllm_config.compilation_config.mode != CompilationMode.NONE
+        )
         if adaptive.active_depth is not None:
             from vllm_adaptive.engine.batch_mirror import register_listener
 
@@ -303,7 +328,12 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
             register_listener("depth", self.depth)
 
     def _build_parts(self) -> ModelParts:
-        return stack_parts(self, llama_layer_parts)
+        parts = stack_parts(self, llama_layer_parts)
+        if getattr(self, "_compile_blocks", False):
+            from vllm_adaptive.models.compiled_blocks import with_compiled_blocks
+
+            parts = with_compiled_blocks(parts)
+        return parts
 
     def _init_model(
         self,

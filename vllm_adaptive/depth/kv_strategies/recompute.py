@@ -73,7 +73,7 @@ def resume(runtime: Any, parts: ModelParts, ctx: Any, md: Any, items: list) -> N
                 md, rows[idx], pos[idx.to(dev)] + 1, slots[idx.to(dev)], runtime.sched_args
             )
             ctx.install(sub, i)
-        h, res = parts.layers[i].block(pos[active.to(dev)], h, res)
+        h, res = parts.layers[i].run_block(pos[active.to(dev)], h, res)
         runtime.counters.recomputed_kv += int(active.sum())
     ctx.install(md, 0)
     record.write(slots, L)

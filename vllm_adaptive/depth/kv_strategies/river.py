@@ -111,7 +111,7 @@ class RiverStrategy(KvStrategy):
                 )
                 c.river_token_layers += int(river_tok[first[in_river.to(dev)]].sum())
             else:
-                h, res = layer.block(positions, h, res)
+                h, res = layer.run_block(positions, h, res)
             if prefill_river and count == river.entry_layer:
                 for r in torch.nonzero(prefill_rows).squeeze(1).tolist():
                     river_tok[int(qsl[r]) : int(qsl[r + 1])] = True

@@ -1,0 +1,71 @@
+"""Adaptive depth on its compiled path (the engine not eager: each decoder block compiled at
+vLLM's warm-up, models/compiled_blocks.py), through one real float32 engine.
+
+Budget 1.0 must give stock vLLM's greedy text; requests below it must exit; the KV audit
+(tests/support/depth_probe.py) must see no read of a (layer, slot) never written while exits,
+a capped prefix-hit prefill, chunked prefill and preemption run through compiled blocks; and
+the compile must be over before the first request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.depth_probe import audit_report, install_kv_audit
+from tests.support.engines import make_llm, metric, shutdown
+from tests.support.workloads import PROMPTS, run_workloads
+from vllm_adaptive.introspection import depth_telemetry
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compiled_depth_llm(model_dir: Path, depth_profile: Path):
+    depth = {"profile": str(depth_profile), "budget": 1.0, "floor": {"tokens": 4}}
+    llm = make_llm(model_dir, {"adaptive": {"depth": depth}}, dtype="float32", enforce_eager=False)
+    llm.apply_model(install_kv_audit)
+    yield llm
+    shutdown(llm)
+
+
+def _params(n: int, budget: float | None = None):
+    from vllm import SamplingParams
+
+    extra = {"adaptive_depth_budget": budget} if budget is not None else None
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+def test_blocks_compile_at_warm_up_not_at_a_request(compiled_depth_llm) -> None:
+    eng = compiled_depth_llm.apply_model(depth_telemetry)[0]["engine"]
+    assert eng["steps"] == 0  # no request has run yet
+    assert eng["block_compile_seconds"] is not None and eng["block_compile_seconds"] > 0
+
+
+def test_budget_one_is_stock_text(compiled_depth_llm, stock_f32_identity: dict) -> None:
+    got = run_workloads(compiled_depth_llm, ["identity"])["identity"]
+    eng = compiled_depth_llm.apply_model(depth_telemetry)[0]["engine"]
+    assert set(eng["exit_tokens"]) == {"30"} and eng["decode_tokens"] >= len(PROMPTS)
+    assert got["alone"] == stock_f32_identity["identity"]["alone"]
+
+
+def test_exits_and_kv_audit_on_compiled_blocks(compiled_depth_llm) -> None:
+    llm = compiled_depth_llm
+    preempt0 = metric(llm, "vllm:num_preemptions")
+    eng0 = llm.apply_model(depth_telemetry)[0]["engine"]
+    words = "the of model cache layer token exit depth value key block request batch".split()
+    prompts = [f"Chapter {k}. " + " ".join(words[k:] + words[:k]) for k in range(5)]
+    llm.generate(prompts, [_params(330, 0.5) for _ in prompts], use_tqdm=False)
+    first = llm.generate(["Write a story about a lighthouse keeper."], _params(200, 0.4))[0]
+    ids = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+    llm.generate([{"prompt_token_ids": ids}], _params(16), use_tqdm=False)  # prefix hit
+    eng = llm.apply_model(depth_telemetry)[0]["engine"]
+    report = llm.apply_model(audit_report)[0]
+    assert report["installed"] and report["reads"] > 1000
+    assert report["violations"] == 0, report["first_violations"]
+    assert metric(llm, "vllm:num_preemptions") > preempt0
+    assert eng["peels"] > eng0["peels"]  # batches were subset mid-step
+    assert eng["capped_prefills"] > eng0["capped_prefills"]
+    exited = {int(k): v for k, v in eng["exit_tokens"].items() if int(k) < 30}
+    assert sum(exited.values()) > 0

@@ -1,0 +1,85 @@
+"""Decoder blocks compiled one at a time (models/compiled_blocks.py), on blocks shaped like
+vLLM's: ``block(positions, hidden, residual) -> (hidden, residual)``, a first block without a
+residual, per-head views (which make the many-token graph exclude one token) and a constant
+of each block's own (as vLLM's attention layer name is) that a shared graph would get wrong."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_adaptive.models.compiled_blocks import CompiledBlock
+
+HIDDEN, HEADS = 32, 4
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index  # a per-layer constant the graph bakes in
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+        self.mlp = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+        else:
+            residual = hidden + residual
+        x = self.norm(residual)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        n = x.shape[0]
+        q = q.view(n, HEADS, -1) * torch.cos(positions.float())[:, None, None]
+        att = (q * k.view(n, HEADS, -1)).sum(-1, keepdim=True) * v.view(n, HEADS, -1)
+        h = self.out(att.reshape(n, HIDDEN)) * (self.index + 1)
+        return self.mlp(torch.relu(h)), residual
+
+
+def _inputs(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.arange(n) + 7, torch.randn(n, HIDDEN, generator=g)
+
+
+def _run(blocks, positions, hidden):
+    residual = None
+    for b in blocks:
+        hidden, residual = b(positions, hidden, residual)
+    return hidden, residual
+
+
+def test_compiled_blocks_match_eager_at_every_token_count_without_recompiling() -> None:
+    torch.manual_seed(0)
+    eager = [ToyBlock(i).eval() for i in range(3)]
+    compiled = [CompiledBlock(b, f"toy_block_{i}") for i, b in enumerate(eager)]
+    with torch.inference_mode():
+        pos, h = _inputs(9, 0)
+        residual = None
+        for c in compiled:  # the warm-up: many tokens, then one
+            h, residual = c.warm_up(pos, h, residual)
+        assert all(c.compile_seconds is not None and c.compile_seconds > 0 for c in compiled)
+        assert all(c.direct for c in compiled)
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        for n in (1, 2, 5, 33, 1):
+            pos, h = _inputs(n, n)
+            want = _run(eager, pos, h)
+            got = _run(compiled, pos, h)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+        # every call after the warm-up ran the captured bytecode: dynamo traced nothing new
+        assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+
+
+def test_blocks_of_one_class_keep_graphs_of_their_own() -> None:
+    """Guards are dropped, so a graph shared between layers would silently run the first
+    layer's constant in the second: each block's output must follow its own ``index``."""
+    torch.manual_seed(1)
+    a, b = ToyBlock(0).eval(), ToyBlock(5).eval()
+    b.load_state_dict(a.state_dict())  # same weights: only the constant differs
+    ca, cb = CompiledBlock(a, "toy_same_0"), CompiledBlock(b, "toy_same_5")
+    with torch.inference_mode():
+        pos, h = _inputs(4, 3)
+        ya, _ = ca.warm_up(pos, h, None)
+        yb, _ = cb.warm_up(pos, h, None)
+        torch.testing.assert_close(yb, b(pos, h, None)[0], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(ya, yb)
