@@ -83,3 +83,22 @@ def test_blocks_of_one_class_keep_graphs_of_their_own() -> None:
         yb, _ = cb.warm_up(pos, h, None)
         torch.testing.assert_close(yb, b(pos, h, None)[0], rtol=1e-4, atol=1e-5)
         assert not torch.allclose(ya, yb)
+
+
+def test_two_engines_blocks_of_one_name_keep_their_own_graphs() -> None:
+    """Two engines in one process name their blocks alike; each must still run its own."""
+    torch.manual_seed(2)
+    a, b = ToyBlock(1).eval(), ToyBlock(2).eval()
+    ca, cb = CompiledBlock(a, "toy_twin"), CompiledBlock(b, "toy_twin")
+    with torch.inference_mode():
+        pos, h = _inputs(3, 4)
+        cb.warm_up(pos, h, None)
+        ca.warm_up(pos, h, None)
+        for n in (1, 6):
+            pos, h = _inputs(n, n + 10)
+            torch.testing.assert_close(
+                ca(pos, h, None)[0], a(pos, h, None)[0], rtol=1e-4, atol=1e-5
+            )
+            torch.testing.assert_close(
+                cb(pos, h, None)[0], b(pos, h, None)[0], rtol=1e-4, atol=1e-5
+            )

@@ -3,9 +3,9 @@
 vLLM compiles a model's whole forward into one graph. Adaptive depth cannot use that graph:
 which tokens run which layer is decided between layers. Run eagerly instead, each block pays
 vLLM's per-op Python (custom-op dispatch, native norms, rotary) for every layer of every
-step: 0.56x of the compiled stock step at one request on SmolLM2 with no token exiting
-(docs/adaptive-depth.md, "Compiled blocks"). Compiling each block on its own keeps inductor's
-fused norms, activation and rotary, with only the plan between blocks left in Python.
+step: 0.56-0.72x of the compiled stock step at one request on SmolLM2 with no token exiting
+(docs/results.md, "adaptive depth on compiled blocks"). Compiling each block on its own keeps
+inductor's fused norms, activation and rotary, with only the plan between blocks in Python.
 
 Each block is compiled at vLLM's warm-up (the model's fallback path runs the same blocks), so no
 request waits on it: one graph for any token count (dynamic shapes, traced size-oblivious) and
@@ -16,6 +16,7 @@ exclude. (With vLLM's warm-up skipped, ``VLLM_CPU_CI_ENV``, the first steps comp
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import types
 import weakref
@@ -99,6 +100,9 @@ class _DirectGraph:
     """
 
     def __init__(self, name: str, dynamic: bool) -> None:
+        # a name of its own: code objects compare by content, so two engines' blocks of the
+        # same name in one process would take each other's bytecode in ``_WAITING``
+        name = f"{name}_{next(_SERIAL)}"
         code = _run.__code__.replace(co_name=name, co_qualname=name)
         fn = types.FunctionType(code, _run.__globals__, name)
         skip = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
@@ -116,6 +120,7 @@ class _DirectGraph:
 #: code objects of graphs not compiled yet -> their graph (weak: a dead engine's go with it)
 _WAITING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _hook_installed = False
+_SERIAL = itertools.count()
 
 
 def _capture_bytecode(old_code: types.CodeType, new_code: types.CodeType) -> None:
