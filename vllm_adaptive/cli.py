@@ -115,15 +115,15 @@ def _cmd_step_cost(args: argparse.Namespace) -> int:
 #: does not): name -> (module, help)
 _KERNEL_BENCHES = {
     "bench-packed": (
-        "vllm_adaptive.kernels.bench_packed",
+        "vllm_adaptive.bench.kernels_packed",
         "time every packed-weight matmul path against F.linear (CPU)",
     ),
     "bench-triton": (
-        "vllm_adaptive.kernels.bench_triton",
+        "vllm_adaptive.bench.kernels_triton",
         "check and time the Triton packed-weight kernels (CUDA)",
     ),
     "bench-attention": (
-        "vllm_adaptive.kernels.bench_attention",
+        "vllm_adaptive.bench.kernels_attention",
         "check and time paged attention with the per-slot depth mask (CPU or CUDA)",
     ),
 }

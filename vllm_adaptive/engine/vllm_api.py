@@ -136,7 +136,7 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "flash_attn_with_kvcache": (
         "vllm.vllm_flash_attn",
         "flash_attn_with_kvcache",
-        ("kernels.bench_attention",),
+        ("bench.kernels_attention",),
     ),
     # -- linear layers (precision gears swap a linear's quant method) --
     "LinearMethodBase": (
