@@ -149,8 +149,8 @@ def depth_profile(model_dir: Path) -> Path:
     import platform
 
     from vllm_adaptive.corpora import default_code_corpus
-    from vllm_adaptive.depth.calibrate import CalibrationOptions, calibrate
-    from vllm_adaptive.depth.collect import CollectConfig
+    from vllm_adaptive.depth.calibration.collect import CollectConfig
+    from vllm_adaptive.depth.calibration.emad import CalibrationOptions, calibrate
 
     opts = CalibrationOptions(
         budget=0.6,

@@ -72,7 +72,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.smoothing and args.fusion:
         raise SystemExit("calibrate: --smoothing and --fusion write different profiles (give one)")
     if args.fusion:
-        from vllm_adaptive.depth.calibrate_fusion import run_from_args as run_fusion
+        from vllm_adaptive.depth.calibration.fusion import run_from_args as run_fusion
 
         return run_fusion(args)
     if args.smoothing:
@@ -88,7 +88,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         )
         print(out)
         return 0
-    from vllm_adaptive.depth.calibrate import run_from_args
+    from vllm_adaptive.depth.calibration.emad import run_from_args
 
     return run_from_args(args)
 
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    from vllm_adaptive.depth.args import add_calibrate_arguments
+    from vllm_adaptive.depth.calibration.args import add_calibrate_arguments
 
     calib = sub.add_parser(
         "calibrate",

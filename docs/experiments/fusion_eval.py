@@ -4,10 +4,10 @@ what it costs in continuation perplexity, per corpus and prompt length.
 Reads a profile from ``vllm-adaptive calibrate --fusion`` and the last 10% of each corpus
 (``CorpusFile.eval_text``, disjoint from the calibration text). For each corpus and prompt
 length, ``--windows`` windows of prompt + ``--continuation`` tokens run twice through
-``depth/fusion_reference.py`` (the engine's mask strategy, in plain torch, float32): without
-fusion and with the profile's rules and exemptions. Reported: fraction of the prompt's
-token-layers removed, continuation perplexity (teacher-forced, pooled over windows) with and
-without fusion, and greedy agreement of the continuation predictions. ``--plot`` draws the
+``depth/calibration/fusion_reference.py`` (the engine's mask strategy, in plain torch,
+float32): without fusion and with the profile's rules and exemptions. Reported: fraction of
+the prompt's token-layers removed, continuation perplexity (teacher-forced, pooled over
+windows) with and without fusion, and greedy agreement of the continuation predictions. ``--plot`` draws the
 fusion events of the first window of the first corpus at the first prompt length.
 
 Command (docs/token-fusion.md)::
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 from vllm_adaptive.corpora import read_corpus
-from vllm_adaptive.depth.calibrate_fusion import evaluate, load_fusion_profile, plot_events
-from vllm_adaptive.depth.collect import load_model
+from vllm_adaptive.depth.calibration.collect import load_model
+from vllm_adaptive.depth.calibration.fusion import evaluate, load_fusion_profile, plot_events
 
 
 def main() -> None:

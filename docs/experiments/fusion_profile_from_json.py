@@ -4,7 +4,7 @@
 (docs/token-fusion.md); its tensors (the fusion layers, taus and the rare-token table) are not
 in the repository. The layers and taus are in the JSON; the table is recounted here on the
 calibration part of the same corpora, checked against the JSON's sha256s, exactly as
-`calibrate_fusion.build_exemptions` counted it. No forward pass: seconds.
+`calibration.fusion.build_exemptions` counted it. No forward pass: seconds.
 
     python docs/experiments/fusion_profile_from_json.py \
         --json docs/data/fusion-profile-smollm2-split-repeats.json \
@@ -34,7 +34,7 @@ def main() -> int:
 
     from vllm_adaptive.artifacts import Profile, model_fingerprint, save_profile
     from vllm_adaptive.corpora import read_corpus
-    from vllm_adaptive.depth.calibrate_fusion import KIND, load_fusion_profile, token_counts
+    from vllm_adaptive.depth.calibration.fusion import KIND, load_fusion_profile, token_counts
 
     meta = json.loads(Path(args.json).read_text())
     if meta.get("kind") != KIND:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from vllm_adaptive.corpora import read_corpus, token_windows_with_next
-from vllm_adaptive.depth.collect import load_model
+from vllm_adaptive.depth.calibration.collect import load_model
 from vllm_adaptive.depth.policies.river import state_transition_similarity
 from vllm_adaptive.kernels.packed import dequantize, quantize
 

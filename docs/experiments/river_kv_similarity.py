@@ -49,7 +49,7 @@ import torch
 from river_exit_path import DEFAULT_MODEL, LINEARS, SCHEMES, river_weights
 
 from vllm_adaptive.corpora import read_corpus, token_windows_with_next
-from vllm_adaptive.depth.collect import load_model
+from vllm_adaptive.depth.calibration.collect import load_model
 
 EXITS = (1, 2, 4, 8, 12, 16, 20, 24, 28)
 

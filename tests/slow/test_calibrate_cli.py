@@ -50,7 +50,7 @@ def test_calibrate_signals_cli_end_to_end(tmp_path: Path) -> None:
     """Real model, tiny token budget: `--signal quicksilver --signal river` writes both
     sections into a loadable profile, and the built signals run on real hidden states."""
     from vllm_adaptive.corpora import default_code_corpus
-    from vllm_adaptive.depth.collect import load_model
+    from vllm_adaptive.depth.calibration.collect import load_model
     from vllm_adaptive.model_zoo import prepare
 
     model = prepare("smollm2-135m-instruct", quiet=True)

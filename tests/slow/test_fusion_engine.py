@@ -120,8 +120,8 @@ def _reference(model_dir: Path, fusion_dir: Path, ids: list[int], prompt_len: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_adaptive.depth.calibrate_fusion import load_fusion_profile
-    from vllm_adaptive.depth.fusion_reference import fused_forward
+    from vllm_adaptive.depth.calibration.fusion import load_fusion_profile
+    from vllm_adaptive.depth.calibration.fusion_reference import fused_forward
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     model.eval()
@@ -158,7 +158,7 @@ def _reference_plain(model_dir: Path, ids: list[int], prompt_len: int) -> list[f
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_adaptive.depth.fusion_reference import fused_forward
+    from vllm_adaptive.depth.calibration.fusion_reference import fused_forward
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     return fused_forward(model.eval(), ids, prompt_len, {}).nll.tolist()

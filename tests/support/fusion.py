@@ -21,7 +21,7 @@ def write_fusion_profile(
     from transformers import AutoTokenizer
 
     from vllm_adaptive.artifacts import Profile, save_profile
-    from vllm_adaptive.depth.calibrate_fusion import DEFAULT_ANCHORS, KIND
+    from vllm_adaptive.depth.calibration.fusion import DEFAULT_ANCHORS, KIND
     from vllm_adaptive.depth.policies.fusion import anchor_sequences
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

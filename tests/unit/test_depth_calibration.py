@@ -19,11 +19,11 @@ from vllm_adaptive.artifacts import (
     load_profile,
     save_profile,
 )
-from vllm_adaptive.depth.budget import SimData, search_q, simulate
+from vllm_adaptive.depth.calibration.budget import SimData, search_q, simulate
+from vllm_adaptive.depth.calibration.norms import fit_affine
+from vllm_adaptive.depth.calibration.targets import entropy_targets
 from vllm_adaptive.depth.isotonic import IsotonicMap, isotonic_fit
-from vllm_adaptive.depth.norms import fit_affine
 from vllm_adaptive.depth.proxies import LowRankReadout
-from vllm_adaptive.depth.targets import entropy_targets
 from vllm_adaptive.flops import DenseShape
 
 

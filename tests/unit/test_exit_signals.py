@@ -13,13 +13,14 @@ from safetensors.torch import save_file
 
 from vllm_adaptive.artifacts import Profile, ProfileError, save_profile
 from vllm_adaptive.config import AdaptiveConfigError, SignalConfig, parse_adaptive_config
-from vllm_adaptive.depth.budget import SimData, simulate, simulate_mask
-from vllm_adaptive.depth.calibrate_quicksilver import (
+from vllm_adaptive.depth.calibration.budget import SimData, simulate, simulate_mask
+from vllm_adaptive.depth.calibration.quicksilver import (
     QuickSilverCalibration,
     calibrate_quicksilver,
     quicksilver_passes,
 )
-from vllm_adaptive.depth.calibrate_river import RiverCalibration, calibrate_river, river_passes
+from vllm_adaptive.depth.calibration.river import RiverCalibration, calibrate_river, river_passes
+from vllm_adaptive.depth.calibration.signal_arrays import SignalArrays
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.policies.build import build_exit_signal
 from vllm_adaptive.depth.policies.combine import CombinedExitSignal
@@ -27,7 +28,6 @@ from vllm_adaptive.depth.policies.emad import EmadExitSignal
 from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.policies.quicksilver import QuickSilverExitSignal, halting_rule
 from vllm_adaptive.depth.policies.river import RiverExitSignal
-from vllm_adaptive.depth.signal_arrays import SignalArrays
 from vllm_adaptive.flops import DenseShape
 
 D = 8

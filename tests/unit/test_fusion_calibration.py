@@ -11,7 +11,7 @@ import torch
 from vllm_adaptive.artifacts import Profile, ProfileError, save_profile
 from vllm_adaptive.cli import main
 from vllm_adaptive.corpora import default_code_corpus
-from vllm_adaptive.depth.calibrate_fusion import load_fusion_profile
+from vllm_adaptive.depth.calibration.fusion import load_fusion_profile
 
 
 @pytest.fixture(scope="module")

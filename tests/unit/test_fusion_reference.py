@@ -1,13 +1,13 @@
-"""Token fusion's reference forward (depth/fusion_reference.py) against transformers' own blocks
-on a tiny random Llama: no fusion is the model itself, and one fused pair is the HF forward
-of the kept rows at their own positions from the fusion layer on."""
+"""Token fusion's reference forward (depth/calibration/fusion_reference.py) against
+transformers' own blocks on a tiny random Llama: no fusion is the model itself, and one fused
+pair is the HF forward of the kept rows at their own positions from the fusion layer on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_adaptive.depth.fusion_reference import fused_forward, prefix_state
+from vllm_adaptive.depth.calibration.fusion_reference import fused_forward, prefix_state
 from vllm_adaptive.depth.policies.fusion import FusionRule
 
 IDS = [3, 7, 9, 11, 2, 5, 5, 5, 8, 30, 12, 4]
@@ -114,7 +114,7 @@ def test_prefix_state_resume_and_other_weightings(model) -> None:
 
 
 def test_event_plot(model, tmp_path) -> None:
-    from vllm_adaptive.depth.calibrate_fusion import plot_events
+    from vllm_adaptive.depth.calibration.fusion import plot_events
 
     run = fused_forward(model, IDS, PROMPT, {1: FusionRule(tau_fuse=1e9, max_group=2)})
     plot_events(run, tmp_path / "events.png")

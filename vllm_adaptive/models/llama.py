@@ -248,7 +248,7 @@ def load_depth_runtime(
 def load_engine_fusion(depth, model_dir: str, num_layers: int):
     """The token fusion mechanism for ``adaptive.depth.fusion``; errors name the config key."""
     from vllm_adaptive.artifacts import ProfileError
-    from vllm_adaptive.depth.calibrate_fusion import load_fusion_profile
+    from vllm_adaptive.depth.calibration.fusion import load_fusion_profile
     from vllm_adaptive.depth.fusion_runtime import EngineFusion, check_fusion_profile
 
     if "arla" in depth.signal.policy:

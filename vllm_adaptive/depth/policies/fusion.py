@@ -20,7 +20,7 @@ running, so a super-token made at an earlier fusion layer is one row) form a fus
   super-token again stays the uniform mean of its tokens (D.2's 1/2(h_t + h_u) for two plain
   tokens); ``score``: a_i is a caller-given importance score (I.3 "attention-derived
   importance weights"; the reference forward passes the attention each row receives at the
-  block before l, see `depth/fusion_reference.py`).
+  block before l, see `depth/calibration/fusion_reference.py`).
 * **kept slot**: the group's last row. Its position (and its KV slot) is the one the
   super-token runs at from layer l on; the other members are recorded as written up to l.
 * **attention similarity** (2.3, optional): the paper's composite condition is

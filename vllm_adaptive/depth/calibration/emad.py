@@ -27,16 +27,19 @@ import numpy as np
 import torch
 
 from vllm_adaptive.artifacts import Profile, save_profile
-from vllm_adaptive.depth.budget import SimData, SimResult, search_q, simulate
-from vllm_adaptive.depth.calibrate_quicksilver import QuickSilverCalibration, calibrate_quicksilver
-from vllm_adaptive.depth.calibrate_river import RiverCalibration, calibrate_river
-from vllm_adaptive.depth.collect import CollectConfig, collect, load_model
+from vllm_adaptive.depth.calibration.budget import SimData, SimResult, search_q, simulate
+from vllm_adaptive.depth.calibration.collect import CollectConfig, collect, load_model
+from vllm_adaptive.depth.calibration.norms import AffineNorm, fit_layer_norms
+from vllm_adaptive.depth.calibration.quicksilver import (
+    QuickSilverCalibration,
+    calibrate_quicksilver,
+)
+from vllm_adaptive.depth.calibration.river import RiverCalibration, calibrate_river
+from vllm_adaptive.depth.calibration.signal_arrays import SignalArrays
+from vllm_adaptive.depth.calibration.targets import entropy_targets, margins
 from vllm_adaptive.depth.isotonic import IsotonicMap
-from vllm_adaptive.depth.norms import AffineNorm, fit_layer_norms
 from vllm_adaptive.depth.proxies import ErrorStats, LowRankReadout, proxy_entropies
 from vllm_adaptive.depth.readout import chunks, entropy_nats
-from vllm_adaptive.depth.signal_arrays import SignalArrays
-from vllm_adaptive.depth.targets import entropy_targets, margins
 from vllm_adaptive.flops import DenseShape
 
 

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from vllm_adaptive.artifacts import Profile, ProfileError, load_profile, save_profile
 from vllm_adaptive.corpora import prompt_bos, read_corpus, token_windows_with_next
-from vllm_adaptive.depth.fusion_reference import FusionRun, fused_forward, prefix_state
+from vllm_adaptive.depth.calibration.fusion_reference import FusionRun, fused_forward, prefix_state
 from vllm_adaptive.depth.policies.fusion import (
     FusionRule,
     anchor_sequences,
@@ -163,7 +163,7 @@ def calibrate_fusion(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Choose tau_fuse per layer on the calibration part of ``corpora``; write the profile."""
-    from vllm_adaptive.depth.collect import load_model
+    from vllm_adaptive.depth.calibration.collect import load_model
 
     t0 = time.perf_counter()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_adaptive.depth.budget import SimData, SimResult, simulate_mask
-from vllm_adaptive.depth.signal_arrays import SignalArrays, layer_quantiles
+from vllm_adaptive.depth.calibration.budget import SimData, SimResult, simulate_mask
+from vllm_adaptive.depth.calibration.signal_arrays import SignalArrays, layer_quantiles
 from vllm_adaptive.flops import DenseShape
 
 PAPER_TAU = 0.5

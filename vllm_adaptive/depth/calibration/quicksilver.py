@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from vllm_adaptive.depth.budget import SimData, SimResult, simulate_mask
+from vllm_adaptive.depth.calibration.budget import SimData, SimResult, simulate_mask
+from vllm_adaptive.depth.calibration.signal_arrays import SignalArrays, layer_quantiles
 from vllm_adaptive.depth.policies.quicksilver import halting_rule
-from vllm_adaptive.depth.signal_arrays import SignalArrays, layer_quantiles
 from vllm_adaptive.flops import DenseShape
 
 
