@@ -7,8 +7,9 @@ length, ``--windows`` windows of prompt + ``--continuation`` tokens run twice th
 ``depth/calibration/fusion_reference.py`` (the engine's mask strategy, in plain torch,
 float32): without fusion and with the profile's rules and exemptions. Reported: fraction of
 the prompt's token-layers removed, continuation perplexity (teacher-forced, pooled over
-windows) with and without fusion, and greedy agreement of the continuation predictions. ``--plot`` draws the
-fusion events of the first window of the first corpus at the first prompt length.
+windows) with and without fusion, and greedy agreement of the continuation predictions.
+``--plot`` draws the fusion events of the first window of the first corpus at the first
+prompt length.
 
 Command (docs/token-fusion.md)::
 
