@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_adaptive.bench.harness import merge_rounds, summarize_all
 from vllm_adaptive.bench.labels import config_label, run_labels
 from vllm_adaptive.bench.memory import engine_memory, process_memory, read_proc_status
 from vllm_adaptive.bench.plot import plot_pareto
 from vllm_adaptive.bench.report import depth_table_markdown, main
+from vllm_adaptive.bench.summary import merge_rounds, summarize_all
 from vllm_adaptive.config import parse_adaptive_config
 from vllm_adaptive.flops import DenseShape
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from vllm_adaptive.bench.harness import merge_rounds, summarize_all, summarize_peers
 from vllm_adaptive.bench.plot import plot_pareto, plot_ratios
 from vllm_adaptive.bench.report import depth_table_markdown, main
+from vllm_adaptive.bench.summary import merge_rounds, summarize_all, summarize_peers
 from vllm_adaptive.flops import DenseShape
 
 SHAPE = DenseShape(num_layers=30, hidden=576, intermediate=1536, num_heads=9, num_kv_heads=3,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_adaptive.bench.harness import merge_rounds, speed_ratios
 from vllm_adaptive.bench.schedule import abba_order, abba_schedule, ratios_per_round, spread
+from vllm_adaptive.bench.summary import merge_rounds, speed_ratios
 
 
 def test_abba_order_alternates_and_balances_positions() -> None:

@@ -120,11 +120,10 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
         EngineDef,
         build_workload,
         engine_spec,
-        merge_rounds,
-        speed_ratios,
         timed_rounds_fresh,
         timed_rounds_persistent,
     )
+    from vllm_adaptive.bench.summary import merge_rounds, speed_ratios
     from vllm_adaptive.bench.machine import env_info
 
     specs = [parse_spec(s) for s in args.spec]
