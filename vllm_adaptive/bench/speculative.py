@@ -123,8 +123,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict[str, Any]:
         timed_rounds_fresh,
         timed_rounds_persistent,
     )
-    from vllm_adaptive.bench.summary import merge_rounds, speed_ratios
     from vllm_adaptive.bench.machine import env_info
+    from vllm_adaptive.bench.summary import merge_rounds, speed_ratios
 
     specs = [parse_spec(s) for s in args.spec]
     corpora = [read_corpus(p) for p in args.corpus]
