@@ -21,7 +21,8 @@ from vllm_adaptive.moe.runtime import (
     moe_resident,
     route,
 )
-from vllm_adaptive.moe.tiers import LOADING, PAGE, READY, FastTier, RecordLayout, SlowTier
+from vllm_adaptive.moe.slow_tier import PAGE, RecordLayout, SlowTier
+from vllm_adaptive.moe.tiers import LOADING, READY, FastTier
 
 H, M = 8, 4  # hidden, expert intermediate size
 LAYOUT = RecordLayout((("gate_up", (2 * M, H)), ("down", (H, M))), torch.float32)
@@ -359,7 +360,7 @@ def test_loader_runs_demand_first_promotes_and_cancels(tmp_path, monkeypatch) ->
 
 
 def test_loader_cancel_of_a_running_job_is_refused() -> None:
-    from vllm_adaptive.moe.tiers import DEMAND, Loader, prefetch_priority
+    from vllm_adaptive.moe.loader import DEMAND, Loader, prefetch_priority
 
     loader = Loader()
     started, release, ran = threading.Event(), threading.Event(), []

@@ -239,7 +239,8 @@ class MoefiedLlamaForCausalLM(HasAdaptiveParts, LlamaForCausalLM):
 
     def _build_tiers(self, moe) -> MoeRuntime:
         from vllm_adaptive.moe.predictors import make_predictor
-        from vllm_adaptive.moe.tiers import FastTier, RecordLayout, SlowTier
+        from vllm_adaptive.moe.slow_tier import RecordLayout, SlowTier
+        from vllm_adaptive.moe.tiers import FastTier
 
         mlps = self.moe_layers()
         num_layers, e, m = len(mlps), self.num_experts, self.expert_size

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_adaptive.moe.tiers import FastTier, RecordLayout, SlowTier
+from vllm_adaptive.moe.slow_tier import RecordLayout, SlowTier
+from vllm_adaptive.moe.tiers import FastTier
 
 Trace = list[list[list[int]]]  # step -> layer -> experts needed
 Predictions = list[list[dict[int, list[int]]]]  # step -> layer l -> {layer j > l: experts}

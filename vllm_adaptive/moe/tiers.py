@@ -1,346 +1,47 @@
-"""Expert tiers: a slow tier on disk and a bounded fast tier in memory (mechanism, no policy).
+"""Expert tiers: the bounded fast tier in memory over the slow tier on disk (mechanism, no policy).
 
-**Slow tier** (:class:`SlowTier`): one file holding every expert's weights, one contiguous
-record per (layer, expert), each record starting on a page boundary (so a record's pages belong
-to it alone), memory-mapped read-only, without read-around (``MADV_RANDOM``: reading one
-record must not pull its neighbours into the page cache) and with one ``MADV_WILLNEED`` of
-exactly the record before each copy. The file's pages leave the page cache once written, so
-first loads are cold too. Dropping a record (:meth:`SlowTier.drop`) removes its
-pages from this process's mapping (``madvise(MADV_DONTNEED)``) and from the page cache
-(``posix_fadvise(POSIX_FADV_DONTNEED)``), so the next read of that record really comes from the
-disk. :meth:`SlowTier.measure_bandwidth` times cold reads of a few records after dropping them.
-
-**Fast tier** (:class:`FastTier`): a fixed number of preallocated slots (one record each, bounded in
-bytes by the caller), an eviction order over them ("lru", or "cyclic": the layer that comes back
-last in the layer cycle first) plus two kinds of pins: hard pins (an expert the current layer is
-about to compute; never evicted) and soft pins (an expert a predictor prefetched for a later layer;
-evicted only by an on-demand load that finds nothing else). The victim of a load is found from an
-index (heaps with lazy deletion), not by scanning every slot. Loads run on one background thread
-(:class:`Loader`) in priority order, not FIFO: on-demand loads first, then prefetches by target
-layer (earliest first); a queued prefetch the compute turns out to need is promoted to on-demand
-(:meth:`FastTier.demand`), and queued prefetches for layers already computed are cancelled
-(:meth:`FastTier.cancel_prefetches`). Why: with a FIFO the on-demand loads of layer l waited behind
-prefetches for later layers, and pre-gating stalled more than no prediction at all
-(docs/moe-runtime.md). The job drops the evicted record's pages, then copies the new record from the
-mapping into the slot. The state machine (EMPTY, LOADING, READY) is only changed by the caller's
-thread; the loader thread only copies. :meth:`FastTier.acquire` returns an expert ready for compute,
-waiting on its load only when it is not ready yet: that wait is the stall time.
-:meth:`FastTier.views` is the only way to read a slot's weights and checks that the slot is READY
-and holds the asked (layer, expert); a failure of that check counts in ``stats.violations`` (must
-stay 0) and is logged.
+**Fast tier** (:class:`FastTier`): a fixed number of preallocated slots (one record each,
+bounded in bytes by the caller), an eviction order over them ("lru", or "cyclic": the layer that
+comes back last in the layer cycle first) plus two kinds of pins: hard pins (an expert the
+current layer is about to compute; never evicted) and soft pins (an expert a predictor
+prefetched for a later layer; evicted only by an on-demand load that finds nothing else). The
+victim of a load is found from an index (heaps with lazy deletion), not by scanning every slot.
+Loads run on one background thread (:class:`Loader`) in priority order, not FIFO: on-demand
+loads first, then prefetches by target layer (earliest first); a queued prefetch the compute
+turns out to need is promoted to on-demand (:meth:`FastTier.demand`), and queued prefetches for
+layers already computed are cancelled (:meth:`FastTier.cancel_prefetches`). Why: with a FIFO the
+on-demand loads of layer l waited behind prefetches for later layers, and pre-gating stalled
+more than no prediction at all (docs/moe-runtime.md). The job drops the evicted record's pages,
+then copies the new record from the mapping into the slot. The state machine (EMPTY, LOADING,
+READY) is only changed by the caller's thread; the loader thread only copies.
+:meth:`FastTier.acquire` returns an expert ready for compute, waiting on its load only when it
+is not ready yet: that wait is the stall time. :meth:`FastTier.views` is the only way to read a
+slot's weights and checks that the slot is READY and holds the asked (layer, expert); a failure
+of that check counts in ``stats.violations`` (must stay 0) and is logged.
 
 Which experts to load, pin and prefetch is the caller's business (``moe/runtime.py``).
+
+The slow tier is :mod:`vllm_adaptive.moe.slow_tier`, the load thread
+:mod:`vllm_adaptive.moe.loader`. The module is over 400 lines because :class:`FastTier` is one
+class: its slot states, eviction index and pins change together under one lock.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
-import functools
 import heapq
-import itertools
 import logging
-import math
-import mmap
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
 
+from vllm_adaptive.moe.loader import DEMAND, Loader, prefetch_priority
+from vllm_adaptive.moe.slow_tier import Key, SlowTier
+
 logger = logging.getLogger("vllm.adaptive.moe")
-
-PAGE = mmap.PAGESIZE
-Key = tuple[int, int]  # (layer, expert)
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """The parts of one expert record: name -> shape, all of one dtype, packed in order."""
-
-    parts: tuple[tuple[str, tuple[int, ...]], ...]
-    dtype: torch.dtype
-
-    # Cached: every load reads nbytes, and computing it (torch.empty for the item size) cost
-    # ~100 us per load on the compute thread (profiled with docs/experiments/moe_eviction.py).
-    @functools.cached_property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    def offsets(self) -> dict[str, tuple[int, int]]:
-        """name -> (byte offset, byte length) inside a record."""
-        return dict(self._offsets)
-
-    @functools.cached_property
-    def _offsets(self) -> dict[str, tuple[int, int]]:
-        out, off = {}, 0
-        for name, shape in self.parts:
-            n = math.prod(shape) * self.itemsize
-            out[name] = (off, n)
-            off += n
-        return out
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return sum(n for _, n in self._offsets.values())
-
-    @functools.cached_property
-    def stride(self) -> int:
-        """Bytes between records: the record rounded up to whole pages."""
-        return -(-self.nbytes // PAGE) * PAGE
-
-
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        lib = ctypes.CDLL(name or "libc.so.6", use_errno=True)
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        return lib
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
-
-
-class SlowTier:
-    """The file of all experts' records, memory-mapped read-only (see the module docstring)."""
-
-    def __init__(
-        self, path: str | os.PathLike, num_layers: int, num_experts: int, layout: RecordLayout
-    ) -> None:
-        self.path = Path(path)
-        self.num_layers, self.num_experts, self.layout = num_layers, num_experts, layout
-        self.size = num_layers * num_experts * layout.stride
-        self.fd = os.open(self.path, os.O_RDONLY)
-        actual = os.fstat(self.fd).st_size
-        if actual != self.size:
-            os.close(self.fd)
-            raise ValueError(f"{self.path}: {actual} bytes, expected {self.size}")
-        self.mm = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        # No read-around on page faults: with it, reading one record pulls the neighbouring
-        # records' pages into the page cache (measured: the whole next record), and their
-        # later "cold" loads would be warm. read_into asks for exactly one record instead.
-        self.mm.madvise(mmap.MADV_RANDOM)
-        self._bytes = np.frombuffer(self.mm, dtype=np.uint8)
-        self.bytes_read = 0
-        self.drops = 0
-        self.drop_calls: list[Key] = []  # the last drops, for tests (bounded)
-
-    # -- writing ------------------------------------------------------------------------------
-
-    @classmethod
-    def write(
-        cls,
-        path: str | os.PathLike,
-        num_layers: int,
-        num_experts: int,
-        layout: RecordLayout,
-        records: Callable[[int, int], Mapping[str, torch.Tensor]],
-    ) -> SlowTier:
-        """Write every record (``records(layer, expert)`` gives its parts), flush it to disk and
-        open the file. The file is written whole before anything maps it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        offsets = layout.offsets()
-        shapes = dict(layout.parts)
-        buf = bytearray(layout.stride)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            for layer in range(num_layers):
-                for expert in range(num_experts):
-                    parts = records(layer, expert)
-                    for name, (off, n) in offsets.items():
-                        t = parts[name]
-                        if tuple(t.shape) != shapes[name]:
-                            raise ValueError(
-                                f"record ({layer}, {expert}) part {name}: shape "
-                                f"{tuple(t.shape)}, expected {shapes[name]}"
-                            )
-                        raw = t.detach().to("cpu", layout.dtype).contiguous().view(torch.uint8)
-                        buf[off : off + n] = raw.numpy().tobytes()
-                    os.pwrite(fd, buf, (layer * num_experts + expert) * layout.stride)
-            os.ftruncate(fd, num_layers * num_experts * layout.stride)
-            os.fsync(fd)  # dirty pages cannot be dropped from the page cache
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # first loads read the disk too
-        finally:
-            os.close(fd)
-        return cls(path, num_layers, num_experts, layout)
-
-    # -- reading ------------------------------------------------------------------------------
-
-    def offset(self, key: Key) -> int:
-        layer, expert = key
-        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
-            raise KeyError(f"no expert record {key}")
-        return (layer * self.num_experts + expert) * self.layout.stride
-
-    def read_into(self, key: Key, dst: np.ndarray) -> None:
-        """Copy one record (``layout.nbytes`` bytes) from the mapping into ``dst`` (uint8).
-        numpy's copy releases the GIL, so this overlaps with compute on another thread."""
-        off = self.offset(key)
-        n = self.layout.nbytes
-        self.mm.madvise(mmap.MADV_WILLNEED, off, self.layout.stride)  # one read-ahead of it
-        np.copyto(dst[:n], self._bytes[off : off + n])
-        self.bytes_read += n
-
-    def drop(self, key: Key) -> None:
-        """Drop the record's pages from this mapping and from the page cache."""
-        off, n = self.offset(key), self.layout.stride
-        self.mm.madvise(mmap.MADV_DONTNEED, off, n)
-        os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
-        self.drops += 1
-        self.drop_calls.append(key)
-        del self.drop_calls[:-64]
-
-    def resident_fraction(self, key: Key) -> float | None:
-        """Fraction of the record's pages in memory (``mincore``), None where unavailable."""
-        if _LIBC is None:
-            return None
-        off, n = self.offset(key), self.layout.stride
-        addr = self._bytes.__array_interface__["data"][0] + off
-        vec = (ctypes.c_ubyte * (n // PAGE))()
-        if _LIBC.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) != 0:
-            return None
-        return sum(v & 1 for v in vec) / len(vec)
-
-    def measure_bandwidth(self, keys: Iterable[Key]) -> dict[str, float]:
-        """Cold-read ``keys`` (each dropped first) into a scratch buffer; bytes/s and time."""
-        keys = list(keys)
-        scratch = np.empty(self.layout.stride, dtype=np.uint8)
-        for key in keys:
-            self.drop(key)
-        n0 = self.bytes_read
-        t0 = time.perf_counter()
-        for key in keys:
-            self.read_into(key, scratch)
-        dt = time.perf_counter() - t0
-        nbytes = self.bytes_read - n0
-        for key in keys:
-            self.drop(key)
-        return {
-            "records": len(keys),
-            "bytes": nbytes,
-            "seconds": dt,
-            "bytes_per_s": nbytes / dt if dt > 0 else float("inf"),
-        }
-
-    def close(self) -> None:
-        if self.fd < 0:
-            return
-        del self._bytes
-        self.mm.close()
-        os.close(self.fd)
-        self.fd = -1
-
-
-def _off_compute_cpus() -> set[int] | None:
-    """Move the calling (loader) thread off the compute thread's CPUs, where there are others.
-    Why: vLLM's CPU worker binds its compute thread to its cores and threads it starts inherit
-    that mask, so the loads would time-share the compute core instead of overlapping with it.
-    Returns the loader's CPUs (None: unchanged)."""
-    try:
-        mine = os.sched_getaffinity(0)
-        others = set(range(os.cpu_count() or 1)) - mine
-        if not others:
-            return None
-        os.sched_setaffinity(0, others)  # 0: this thread
-        return others
-    except (AttributeError, OSError):
-        return None
-
-
-# Load priorities (smaller first): on-demand loads, then prefetches by the layer they are for.
-DEMAND = (0, 0)
-
-
-def prefetch_priority(layer: int) -> tuple[int, int]:
-    return (1, layer)
-
-
-class Loader:
-    """One background thread running load jobs in priority order (see the module docstring).
-
-    :meth:`submit` returns the job's :class:`~concurrent.futures.Future`; :meth:`promote`
-    raises the priority of a job still queued; cancelling a queued job is the future's own
-    ``cancel()`` (the thread skips it). Jobs with equal priority run in submission order."""
-
-    def __init__(self, name: str = "moe-loader") -> None:
-        self._heap: list[tuple[tuple[int, int], int, Future]] = []
-        self._jobs: dict[Future, tuple[tuple[int, int], Callable[[], None]]] = {}
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._closed = False
-        self.cpus: set[int] | None = None  # set by the thread: its CPUs when it moved off
-        self.order: list[object] = []  # tags of the jobs run, in order (bounded; for tests)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, priority: tuple[int, int], fn: Callable[[], None], tag=None) -> Future:
-        future: Future = Future()
-        future.tag = tag  # type: ignore[attr-defined]
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the loader is closed")
-            self._jobs[future] = (priority, fn)
-            heapq.heappush(self._heap, (priority, next(self._seq), future))
-            self._cv.notify()
-        return future
-
-    def promote(self, future: Future, priority: tuple[int, int]) -> bool:
-        """Give a queued job a higher priority; False when it started or finished already."""
-        with self._cv:
-            job = self._jobs.get(future)
-            if job is None or future.done() or future.running():
-                return False
-            if priority < job[0]:
-                self._jobs[future] = (priority, job[1])
-                # the old entry stays in the heap and is skipped when popped (priority changed)
-                heapq.heappush(self._heap, (priority, next(self._seq), future))
-            return True
-
-    def queued(self) -> int:
-        with self._cv:
-            return sum(not f.cancelled() for f in self._jobs)
-
-    def _run(self) -> None:
-        self.cpus = _off_compute_cpus()
-        while True:
-            with self._cv:
-                while not self._heap and not self._closed:
-                    self._cv.wait()
-                if not self._heap:
-                    return
-                priority, _, future = heapq.heappop(self._heap)
-                job = self._jobs.get(future)
-                if job is None or job[0] != priority:
-                    continue  # the stale entry of a promoted job
-                del self._jobs[future]
-                fn = job[1]
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            try:
-                fn()
-            except BaseException as e:  # handed to whoever waits on the future
-                future.set_exception(e)
-            else:
-                future.set_result(None)
-            self.order.append(getattr(future, "tag", None))
-            del self.order[:-256]
-
-    def shutdown(self) -> None:
-        """Finish the queued jobs, then stop the thread."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join()
-
 
 EMPTY, LOADING, READY = "empty", "loading", "ready"
 EVICTIONS = ("lru", "cyclic")
