@@ -63,6 +63,8 @@ OFFLINE = (
     "vllm_adaptive.speculative.eagle3_head",
     "vllm_adaptive.speculative.draft_args",
     "vllm_adaptive.speculative.train_eagle3",
+    "vllm_adaptive.speculative.eagle3_draft",
+    "vllm_adaptive.speculative.eagle3_data",
     # MoEfying, its quality evaluation and the M2R2 expert-prediction adapters' training
     "vllm_adaptive.moe.args",
     "vllm_adaptive.moe.collect",

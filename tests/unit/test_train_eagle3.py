@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from vllm_adaptive.speculative import eagle3_data as edata
+from vllm_adaptive.speculative import eagle3_draft as ed
 from vllm_adaptive.speculative import eagle3_head as e3
 from vllm_adaptive.speculative import train_eagle3 as te
 from vllm_adaptive.speculative.draft_args import DraftTrainOptions
@@ -90,10 +92,10 @@ def _head(target: Path, draft_vocab: int = 48, layers=(1, 2, 3), num_layers: int
     cfg_t = json.loads((target / "config.json").read_text())
     cfg = e3.head_config(cfg_t, draft_vocab, layers, num_layers)
     model = _hf(target)
-    return te.Eagle3Draft(cfg, model.model.embed_tokens.weight), model
+    return ed.Eagle3Draft(cfg, model.model.embed_tokens.weight), model
 
 
-def _randomise(head: te.Eagle3Draft, seed: int = 3) -> None:
+def _randomise(head: ed.Eagle3Draft, seed: int = 3) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
@@ -113,7 +115,7 @@ def _ref_norm(x, w, eps, residual=None):
     return out if residual is None else (out, residual)
 
 
-def _ref_draft_chain(head: te.Eagle3Draft, tokens, aux, p: int, k: int, theta: float):
+def _ref_draft_chain(head: ed.Eagle3Draft, tokens, aux, p: int, k: int, theta: float):
     """vLLM's proposer for one request whose verified tokens end at ``p + 1``: the first pass
     over positions 0..p (input token s + 1 with fc(aux[s])) fills a KV cache; each later step
     is one query at the next position with the drafted (here: the next real) token and the
@@ -220,7 +222,7 @@ def test_untrained_head_is_the_target_layer(target: Path) -> None:
     head, model = _head(target, layers=(0, 1, 2))
     draft_ids = torch.arange(3, 51)
     init_state = {n: t.float() for n, t in model.state_dict().items()}
-    te.init_from_target(head, init_state, draft_ids, 2)
+    ed.init_from_target(head, init_state, draft_ids, 2)
     tokens = torch.randint(3, VOCAB, (2, 10))
     with torch.no_grad():
         hs = model(tokens, output_hidden_states=True).hidden_states
@@ -230,7 +232,7 @@ def test_untrained_head_is_the_target_layer(target: Path) -> None:
     assert torch.equal(head.lm_head.weight, model.lm_head.weight[draft_ids])
     # two head layers continue the target: from layer 1 they reproduce the state after 3
     head2, _ = _head(target, layers=(0, 0, 1), num_layers=2)
-    te.init_from_target(head2, init_state, draft_ids, 1)
+    ed.init_from_target(head2, init_state, draft_ids, 1)
     with torch.no_grad():
         out2 = head2.ttt(tokens, torch.cat([hs[0], hs[0], hs[1]], -1), 1)[0]
     torch.testing.assert_close(out2.hidden, hs[3], rtol=1e-5, atol=1e-5)
@@ -240,15 +242,15 @@ def test_untrained_head_is_the_target_layer(target: Path) -> None:
 def test_draft_vocab_and_d2t() -> None:
     greedy = torch.tensor([0, 5, 5, 1, 0, 9, 0, 2])
     text = torch.tensor([7, 1, 2, 0, 3, 0, 0, 0])
-    ids = te.choose_draft_vocab(greedy, text, 4)
+    ids = edata.choose_draft_vocab(greedy, text, 4)
     assert ids.tolist() == [1, 2, 5, 7]  # 5 (9), 1/2 (5; 1 first, more text), 7 (2)
     d2t, t2d = e3.vocab_maps(ids, 8)
     assert (torch.arange(4) + d2t).tolist() == [1, 2, 5, 7]
     assert t2d.nonzero().flatten().tolist() == [1, 2, 5, 7]
-    idx = te.target_index(ids, 8)
+    idx = ed.target_index(ids, 8)
     assert idx.tolist() == [-1, 0, 1, -1, -1, 2, -1, 3]
-    with pytest.raises(te.DraftTrainError, match="fewer"):
-        te.choose_draft_vocab(greedy, text, 8)
+    with pytest.raises(ed.DraftTrainError, match="fewer"):
+        edata.choose_draft_vocab(greedy, text, 8)
 
 
 def test_acceptance_counts_chains_like_vllm() -> None:
@@ -266,18 +268,18 @@ def test_acceptance_counts_chains_like_vllm() -> None:
                 for b, p, jj in self.wrong:
                     if jj == j:
                         want[b, p] = (want[b, p] + 1) % 10
-                outs.append(te.StepOutput(torch.nn.functional.one_hot(want, 10).float(), None))
+                outs.append(ed.StepOutput(torch.nn.functional.one_hot(want, 10).float(), None))
             return outs
 
     tokens = torch.arange(20).view(1, 20) % 10
-    valid = te.eval_valid(tokens, prompt_len=5, k=3, eos=None)
+    valid = edata.eval_valid(tokens, prompt_len=5, k=3, eos=None)
     assert valid[0].nonzero().flatten().tolist() == list(range(4, 16))
     draft_ids = torch.arange(10)
-    assert te.acceptance(Fake([]), tokens, None, valid, draft_ids, 3) == [1.0, 1.0, 1.0]
+    assert ed.acceptance(Fake([]), tokens, None, valid, draft_ids, 3) == [1.0, 1.0, 1.0]
     # chain 4 misses its first token: its later tokens count as rejected however good
-    rates = te.acceptance(Fake([(0, 4, 0), (0, 6, 2)]), tokens, None, valid, draft_ids, 3)
+    rates = ed.acceptance(Fake([(0, 4, 0), (0, 6, 2)]), tokens, None, valid, draft_ids, 3)
     assert rates == pytest.approx([11 / 12, 11 / 12, 10 / 12])
-    eos_valid = te.eval_valid(torch.tensor([[3, 3, 3, 3, 3, 4, 4, 4, 2, 4, 4, 4]]), 5, 2, eos=2)
+    eos_valid = edata.eval_valid(torch.tensor([[3, 3, 3, 3, 3, 4, 4, 4, 2, 4, 4, 4]]), 5, 2, eos=2)
     assert eos_valid[0].nonzero().flatten().tolist() == [4, 5]  # references end at the EOS
 
 
@@ -285,17 +287,17 @@ def test_loss_decreases_on_a_fixed_batch(target: Path) -> None:
     torch.manual_seed(0)
     head, model = _head(target)
     draft_ids = torch.arange(3, 51)
-    te.init_from_target(head, model.state_dict(), draft_ids, 3)
+    ed.init_from_target(head, model.state_dict(), draft_ids, 3)
     tokens = torch.randint(3, 51, (2, 16))
-    shard = te.target_pass(model, tokens, [1, 2, 3], 8)
-    t2d = te.target_index(draft_ids, VOCAB)
+    shard = edata.target_pass(model, tokens, [1, 2, 3], 8)
+    t2d = ed.target_index(draft_ids, VOCAB)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(20):
         outs = head.ttt(tokens, shard["aux"].float(), 3)
         loss = sum(
             0.8**j
-            * te.step_loss(o.logits, j, shard["topk_ids"], shard["topk_logits"], t2d, draft_ids)[0]
+            * ed.step_loss(o.logits, j, shard["topk_ids"], shard["topk_logits"], t2d, draft_ids)[0]
             for j, o in enumerate(outs)
         )
         opt.zero_grad()
@@ -350,7 +352,7 @@ def test_train_resume_and_saved_head(target: Path, corpus: Path, tmp_path: Path)
         with safe_open(str(part / "model.safetensors"), "pt") as b:
             for name in a.keys():
                 torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name))
-    with pytest.raises(te.DraftTrainError, match="other arguments"):
+    with pytest.raises(ed.DraftTrainError, match="other arguments"):
         te.train(_opts(target, corpus, part, resume=True, lr=5e-4))
 
     head = tmp_path / "full"
@@ -395,7 +397,7 @@ def test_greedy_source_trains_on_the_targets_own_continuations(
     assert not torch.equal(toks[:, 1:8], top1[:, :7].long())
     meta = json.loads((out / e3.MARKER).read_text())
     assert "greedy continuations" in meta["recipe"] and meta["compute_dtype"] == "float32"
-    with pytest.raises(te.DraftTrainError, match="--gen-prompt-len"):
+    with pytest.raises(ed.DraftTrainError, match="--gen-prompt-len"):
         te.train(_opts(target, corpus, tmp_path / "bad", data_source="greedy", gen_prompt_len=32))
 
 
@@ -412,7 +414,7 @@ def test_two_layer_head_trains_and_saves_in_vllms_names(
         assert f.get_tensor("layers.1.self_attn.q_proj.weight").shape == (64, 64)
     assert names == set(e3.head_shapes(cfg)) | {"d2t", "t2d"}
     assert "layers.1.hidden_norm.weight" in names and "midlayer.hidden_norm.weight" in names
-    with pytest.raises(te.DraftTrainError, match="--head-layers"):
+    with pytest.raises(ed.DraftTrainError, match="--head-layers"):
         te.train(_opts(target, corpus, tmp_path / "zero", head_layers=0))
 
 
@@ -424,8 +426,8 @@ def test_bf16_compute_trains_and_says_so(target: Path, corpus: Path, tmp_path: P
     assert meta["compute_dtype"] == "bfloat16"
     aux = torch.load(out / "train" / "data" / "train-00000.pt", weights_only=True)["aux"]
     assert aux.dtype == torch.bfloat16 and torch.isfinite(aux.float()).all()
-    assert te.compute_dtype("float32") == torch.float32
-    assert te.compute_dtype("auto") in (torch.float32, torch.bfloat16)
+    assert edata.compute_dtype("float32") == torch.float32
+    assert edata.compute_dtype("auto") in (torch.float32, torch.bfloat16)
 
 
 def test_cli_parses_train_draft() -> None:

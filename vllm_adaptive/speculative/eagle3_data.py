@@ -1,0 +1,262 @@
+"""The EAGLE-3 head's training data, drawn from the target alone (transformers, no vLLM): the
+target's auxiliary states, top-k logits and greedy tokens over windows of the corpora's
+calibration split (cached in shards, resumable), the draft vocabulary, and the held-out greedy
+continuations acceptance is measured on (steps 1, 2 and 5 of the recipe in
+:mod:`vllm_adaptive.speculative.train_eagle3`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_adaptive.speculative.draft_args import DraftTrainOptions
+from vllm_adaptive.speculative.eagle3_draft import DraftTrainError
+
+
+def choose_draft_vocab(
+    greedy_counts: torch.Tensor, token_counts: torch.Tensor, n: int
+) -> torch.Tensor:
+    """The ``n`` ids most often the target's greedy token (ties: more frequent in the text,
+    then the lower id), sorted."""
+    if n >= len(greedy_counts):
+        raise DraftTrainError(
+            f"--draft-vocab {n}: want fewer than the target's {len(greedy_counts)} tokens"
+        )
+    order = torch.arange(len(greedy_counts))
+    for key in (token_counts, greedy_counts):  # stable sorts: the last key is the primary one
+        order = order[torch.sort(key[order], descending=True, stable=True).indices]
+    return order[:n].sort().values
+
+
+# -- data -------------------------------------------------------------------------------------
+def _spread_windows(ids: list[int], length: int, count: int) -> list[list[int]]:
+    available = len(ids) // length
+    count = min(count, available)
+    if count < 1:
+        return []
+    stride = available // count
+    return [ids[i * stride * length : i * stride * length + length] for i in range(count)]
+
+
+def _aux(hidden_states, layers: list[int]) -> torch.Tensor:
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+def target_pass(model, ids: torch.Tensor, layers: list[int], topk: int) -> dict[str, torch.Tensor]:
+    """One teacher-forced pass of the target: aux states (bf16), top-k logits, greedy tokens."""
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True, use_cache=False)
+        vals, idx = out.logits.float().topk(topk, dim=-1)
+        return {
+            "tokens": ids.to(torch.int32),
+            "aux": _aux(out.hidden_states, layers).to(torch.bfloat16),
+            "topk_ids": idx.to(torch.int32),
+            "topk_logits": vals.to(torch.float16),
+        }
+
+
+def greedy_continuations(
+    model, prompts: torch.Tensor, new_tokens: int, layers: list[int]
+) -> dict[str, torch.Tensor]:
+    """The target's greedy continuation of each prompt, with its KV cache (as served); the aux
+    states come from the same passes. ``aux`` has a zero row for the last token (never read)."""
+    with torch.no_grad():
+        out = model(prompts, use_cache=True, output_hidden_states=True)
+        auxs = [_aux(out.hidden_states, layers)]
+        nxt = out.logits[:, -1].argmax(-1)
+        seq = [prompts, nxt[:, None]]
+        past = out.past_key_values
+        for _ in range(new_tokens - 1):
+            out = model(
+                nxt[:, None], past_key_values=past, use_cache=True, output_hidden_states=True
+            )
+            past = out.past_key_values
+            auxs.append(_aux(out.hidden_states, layers))
+            nxt = out.logits[:, -1].argmax(-1)
+            seq.append(nxt[:, None])
+        aux = torch.cat(auxs, dim=1)
+        aux = torch.cat([aux, torch.zeros_like(aux[:, :1])], dim=1)
+        return {"tokens": torch.cat(seq, dim=1).to(torch.int32), "aux": aux.to(torch.bfloat16)}
+
+
+def self_windows(model, prompts: torch.Tensor, length: int) -> torch.Tensor:
+    """Each prompt continued by the target's greedy tokens to ``length`` tokens: the contexts a
+    greedy server drafts in (the target's own text, its repetitions included), rather than
+    human text."""
+    with torch.no_grad():
+        out = model(prompts, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+        parts = [prompts, nxt[:, None]]
+        for _ in range(length - prompts.shape[1] - 1):
+            out = model(nxt[:, None], past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            parts.append(nxt[:, None])
+        return torch.cat(parts, dim=1)
+
+
+@dataclass
+class Eagle3Data:
+    tokens: torch.Tensor  # [n, T] int32
+    aux: torch.Tensor  # [n, T, 3h] bf16
+    topk_ids: torch.Tensor  # [n, T, k] int32
+    topk_logits: torch.Tensor  # [n, T, k] fp16
+    eval_tokens: torch.Tensor  # [m, P + G] int32
+    eval_aux: torch.Tensor  # [m, P + G, 3h] bf16
+    gen_seconds: float
+    gen_tokens: int
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """``auto``: bfloat16 where the CPU computes it natively (there it is 2-2.5x faster for the
+    target pass and the head's step), float32 elsewhere (emulated bf16 is slower)."""
+    if name == "auto":
+        from vllm_adaptive.environment import cpu_flags, native_bf16
+
+        name = "bfloat16" if native_bf16(cpu_flags()) else "float32"
+    if name not in ("float32", "bfloat16"):
+        raise DraftTrainError(f"--compute-dtype {name!r}: float32, bfloat16 or auto")
+    return getattr(torch, name)
+
+
+def data_spec(opts: DraftTrainOptions, fingerprint: str, layers: list[int]) -> dict[str, Any]:
+    return {
+        "target_fingerprint": fingerprint,
+        "data_source": opts.data_source,
+        "gen_prompt_len": opts.gen_prompt_len if opts.data_source == "greedy" else None,
+        "compute_dtype": opts.compute_dtype,
+        "corpus_sha256": opts.corpus_sha256,
+        "tokens": opts.tokens,
+        "seq_len": opts.seq_len,
+        "topk": opts.topk,
+        "aux_layers": layers,
+        "data_batch": opts.data_batch,
+        "eval_prompts": opts.eval_prompts,
+        "eval_prompt_len": opts.eval_prompt_len,
+        "eval_new_tokens": opts.eval_new_tokens,
+    }
+
+
+def build_data(
+    model, tok, opts: DraftTrainOptions, corpora, layers: list[int], data_dir: Path, spec: dict
+) -> Eagle3Data:
+    """Run the target over the training windows and the eval prompts, or read what an earlier
+    run with the same spec cached (shards: an interrupted generation continues)."""
+    from tqdm import tqdm
+
+    from vllm_adaptive.corpora import prompt_bos
+
+    spec_path = data_dir / "spec.json"
+    if spec_path.is_file() and json.loads(spec_path.read_text()) != spec:
+        for f in data_dir.glob("*.pt"):
+            f.unlink()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec, indent=1))
+    stats_path = data_dir / "stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {"seconds": 0.0}
+
+    bos = prompt_bos(tok)
+    n_windows = max(1, opts.tokens // opts.seq_len)
+    # a greedy source reads only its prompts from the text; the target writes the rest
+    body = (opts.gen_prompt_len if opts.data_source == "greedy" else opts.seq_len) - (
+        1 if bos is not None else 0
+    )
+    prompt_body = opts.eval_prompt_len - (1 if bos is not None else 0)
+    windows: list[list[int]] = []
+    prompts: list[list[int]] = []
+    cached = sorted(data_dir.glob("train-*.pt"))
+    per_shard = opts.gen_batch if opts.data_source == "greedy" else opts.data_batch
+    need_train = len(cached) * per_shard < n_windows
+    need_eval = not (data_dir / "eval.pt").is_file()
+    if need_train or need_eval:
+        n = len(corpora)
+        for j, cf in enumerate(corpora):
+            want = n_windows // n + (1 if j < n_windows % n else 0)
+            if need_train and want:
+                ids = tok(cf.calibration_text, add_special_tokens=False)["input_ids"]
+                got = _spread_windows(ids, body, want)
+                if len(got) < want:
+                    print(
+                        f"corpus {cf.path}: {len(ids)} calibration tokens give {len(got)} "
+                        f"windows of {body}, not {want}",
+                        file=sys.stderr,
+                    )
+                windows.extend(got)
+            pwant = opts.eval_prompts // n + (1 if j < opts.eval_prompts % n else 0)
+            if need_eval and pwant:
+                eids = tok(cf.eval_text, add_special_tokens=False)["input_ids"]
+                span = prompt_body + opts.eval_new_tokens  # prompts spread over the eval text
+                prompts.extend(w[:prompt_body] for w in _spread_windows(eids, span, pwant))
+        if bos is not None:
+            windows = [[bos, *w] for w in windows]
+            prompts = [[bos, *w] for w in prompts]
+        if need_train and not windows:
+            raise DraftTrainError("no training window: the corpora are shorter than --seq-len")
+        if need_eval and not prompts:
+            raise DraftTrainError("no eval prompt: the corpora's eval split is too short")
+
+    t0 = time.time()
+    gen_tokens = 0
+    if need_train:
+        # a greedy source generates in batches of --gen-batch (one shard each): per-step overhead
+        # dominates a small target's decode, so wide batches are what make it affordable
+        per = opts.gen_batch if opts.data_source == "greedy" else opts.data_batch
+        chunks = [windows[i : i + per] for i in range(0, len(windows), per)]
+        bar = tqdm(
+            total=len(windows) * opts.seq_len,
+            initial=len(cached) * per_shard * opts.seq_len,
+            desc="target pass" if opts.data_source == "text" else "greedy windows",
+            unit="tok",
+            unit_scale=True,
+            disable=not opts.progress,
+        )
+        for i in range(len(cached), len(chunks)):
+            ids = torch.tensor(chunks[i], dtype=torch.long)
+            if opts.data_source == "greedy":
+                ids = self_windows(model, ids, opts.seq_len)
+            shard = target_pass(model, ids, layers, opts.topk)
+            torch.save(shard, data_dir / f"train-{i:05d}.pt")
+            gen_tokens += ids.numel()
+            bar.update(ids.numel())
+            stats["seconds"] += time.time() - t0
+            t0 = time.time()
+            stats_path.write_text(json.dumps(stats))
+        bar.close()
+    if need_eval:
+        ev = greedy_continuations(
+            model, torch.tensor(prompts, dtype=torch.long), opts.eval_new_tokens, layers
+        )
+        torch.save(ev, data_dir / "eval.pt")
+        stats["seconds"] += time.time() - t0
+        stats_path.write_text(json.dumps(stats))
+    shards = [torch.load(f, weights_only=True) for f in sorted(data_dir.glob("train-*.pt"))]
+    ev = torch.load(data_dir / "eval.pt", weights_only=True)
+    return Eagle3Data(
+        tokens=torch.cat([s["tokens"] for s in shards]),
+        aux=torch.cat([s["aux"] for s in shards]),
+        topk_ids=torch.cat([s["topk_ids"] for s in shards]),
+        topk_logits=torch.cat([s["topk_logits"] for s in shards]),
+        eval_tokens=ev["tokens"],
+        eval_aux=ev["aux"],
+        gen_seconds=float(stats["seconds"]),
+        gen_tokens=gen_tokens,
+    )
+
+
+def eval_valid(tokens: torch.Tensor, prompt_len: int, k: int, eos: int | None) -> torch.Tensor:
+    """Chain starts that vLLM could draft from: the chain's first input token (``p + 1``) is a
+    generated one, and its ``k`` reference tokens end at the first EOS at the latest."""
+    B, T = tokens.shape
+    p = torch.arange(T)
+    valid = (p >= prompt_len - 1) & (p + k + 1 <= T - 1)
+    valid = valid.expand(B, T).clone()
+    if eos is not None:
+        gen = tokens[:, prompt_len:] == eos
+        first = torch.where(gen.any(1), gen.float().argmax(1) + prompt_len, torch.full((B,), T - 1))
+        valid &= (p[None, :] + k + 1) <= first[:, None]
+    return valid
