@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests, exchange
 from vllm_adaptive.depth.schedule import DepthSchedule
+from vllm_adaptive.depth.stats import DecodeDepthStats
 from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
 
 if TYPE_CHECKING:
@@ -59,12 +60,9 @@ logger = logging.getLogger("vllm.adaptive.depth")
 
 
 @dataclass
-class EngineCounters:
+class EngineCounters(DecodeDepthStats):
     steps: int = 0
-    decode_tokens: int = 0
     prefill_tokens: int = 0
-    layers_executed: int = 0  # decode token-layers
-    exit_tokens: dict[int, int] = field(default_factory=dict)  # decode tokens by depth
     capped_prefills: int = 0
     prefills_with_context: int = 0  # prefill rows attending to earlier slots (chunks, hits)
     backfilled_kv: int = 0
@@ -73,7 +71,6 @@ class EngineCounters:
     recomputed_kv: int = 0  # token-layers resumed from exit states (recompute)
     masked_steps: int = 0  # steps where some cached slot was masked at some layer
     peels: int = 0
-    probe_evals: int = 0  # (token, probe layer) proxy evaluations
     accelerated_rows: int = 0  # (decode token, gate interval) accelerated streams computed
     accelerated_token_layers: int = 0  # decode token-layers run on the accelerated stream
     arla_exits: int = 0  # decode tokens that exited by ARLA (emitting the accelerated state)
@@ -97,14 +94,8 @@ class DepthRuntime:
         self.fusion = fusion
         self.profile = profile
         self.num_layers = profile.num_layers
-        floor = config.floor
-        refresh = config.refresh
-        self.schedule = DepthSchedule(
-            readout_layers=tuple(profile.readout_layers),
-            floor_tokens=floor.tokens if floor is not None else 0,
-            floor_min=floor.min_layers if floor is not None else None,
-            refresh_every=refresh.every if refresh is not None else None,
-            refresh_raise=refresh.raise_layers if refresh is not None else 0,
+        self.schedule = DepthSchedule.for_config(
+            tuple(profile.readout_layers), config.floor, config.refresh
         )
         self.budget = config.budget if config.budget is not None else profile.budget
         self.kv = build_kv_strategy(config)
@@ -527,12 +518,8 @@ class DepthRuntime:
         c = self.counters
         c.steps += 1
         dec = torch.from_numpy(plan.decode)
-        c.decode_tokens += int(dec.sum())
         c.prefill_tokens += int(counts[~dec].sum())
-        d = depth[dec]
-        c.layers_executed += int(d.sum())
-        for v in d.tolist():
-            c.exit_tokens[v] = c.exit_tokens.get(v, 0) + 1
+        c.observe(depth[dec].tolist())
         self.requests.observe(plan, depth.tolist())
         self.export()
 
@@ -566,16 +553,12 @@ class DepthRuntime:
             "budget_kind": self.profile.budget_kind,
             "probe_layers": self.profile.probe_layers,
             "steps": c.steps,
-            "decode_tokens": c.decode_tokens,
+            **c.summary(),
             "prefill_tokens": c.prefill_tokens,
-            "layers_executed": c.layers_executed,
-            "mean_decode_depth": c.layers_executed / c.decode_tokens if c.decode_tokens else None,
-            "exit_tokens": {str(k): v for k, v in sorted(c.exit_tokens.items())},
             "capped_prefills": c.capped_prefills,
             "prefills_with_context": c.prefills_with_context,
             "backfilled_kv": c.backfilled_kv,
             "peels": c.peels,
-            "probe_evals": c.probe_evals,
             "accelerated_rows": c.accelerated_rows,
             "accelerated_token_layers": c.accelerated_token_layers,
             "arla_exits": c.arla_exits,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,19 @@ class DepthSchedule:
     floor_min: int | None = None
     refresh_every: int | None = None
     refresh_raise: int = 0
+
+    @classmethod
+    def for_config(cls, readout_layers: tuple[int, ...], floor: Any, refresh: Any) -> DepthSchedule:
+        """The schedule of an ``adaptive.depth`` config's ``floor`` and ``refresh`` sections
+        (either None) over a profile's readout layers: the vLLM runtime and the MLX adapter
+        build it here, so that both apply the same floors and caps."""
+        return cls(
+            readout_layers=tuple(readout_layers),
+            floor_tokens=floor.tokens if floor is not None else 0,
+            floor_min=floor.min_layers if floor is not None else None,
+            refresh_every=refresh.every if refresh is not None else None,
+            refresh_raise=refresh.raise_layers if refresh is not None else 0,
+        )
 
     @property
     def num_layers(self) -> int:

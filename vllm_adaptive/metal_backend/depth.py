@@ -32,6 +32,7 @@ from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.policies.emad_rule import EmadRule
 from vllm_adaptive.depth.requests import DepthRequest
 from vllm_adaptive.depth.schedule import DepthSchedule
+from vllm_adaptive.depth.stats import DecodeDepthStats
 from vllm_adaptive.metal_backend.arch import LlamaLayout
 from vllm_adaptive.metal_backend.entropy import entropy_nats
 from vllm_adaptive.overrides import RequestOverrides
@@ -66,13 +67,8 @@ class DepthRunner:
         self.profile = profile
         self.layout = layout
         self.num_layers = profile.num_layers
-        floor, refresh = cfg.floor, cfg.refresh
-        self.schedule = DepthSchedule(
-            readout_layers=tuple(profile.readout_layers),
-            floor_tokens=floor.tokens if floor is not None else 0,
-            floor_min=floor.min_layers if floor is not None else None,
-            refresh_every=refresh.every if refresh is not None else None,
-            refresh_raise=refresh.raise_layers if refresh is not None else 0,
+        self.schedule = DepthSchedule.for_config(
+            tuple(profile.readout_layers), cfg.floor, cfg.refresh
         )
         self.rule = EmadRule(profile.proxy, profile.feature_knots)
         self.budget = cfg.budget if cfg.budget is not None else profile.budget
@@ -86,8 +82,7 @@ class DepthRunner:
         self.finished: list[dict[str, Any]] = []
         self.max_finished = 4096
         self.seen = 0
-        self.counters = {"decode_tokens": 0, "layers_executed": 0, "probe_evals": 0}
-        self.exit_tokens: dict[int, int] = {}
+        self.stats = DecodeDepthStats()
         self._lock = threading.Lock()
         logger.info(
             "vllm-adaptive mlx depth: profile %s, budget %.3g (%s), probes %s",
@@ -148,7 +143,7 @@ class DepthRunner:
             if not stop and not req.off and floor <= count and th[p] >= self.proxy_floor[p]:
                 normed = self.readout(p, h[0])
                 value = np.array(self.proxy_value(normed), dtype=np.float64)
-                self.counters["probe_evals"] += 1
+                self.stats.probe_evals += 1
                 stop = bool(self.rule.exits(value, th[p : p + 1], p)[0])
             if stop:
                 out, depth = self.readout(p, h[0]), count
@@ -158,9 +153,7 @@ class DepthRunner:
         else:
             logits = layout.head(out.astype(h.dtype)[None])[:, -1]
         req.depths.append(depth)
-        self.counters["decode_tokens"] += 1
-        self.counters["layers_executed"] += depth
-        self.exit_tokens[depth] = self.exit_tokens.get(depth, 0) + 1
+        self.stats.observe((depth,))
         return logits
 
     def prefilled(self, req: DepthRequest) -> None:
@@ -178,7 +171,6 @@ class DepthRunner:
         return rec
 
     def telemetry(self) -> dict[str, Any]:
-        c = self.counters
         return {
             "mechanism": "depth",
             "signal": ["emad"],
@@ -189,10 +181,6 @@ class DepthRunner:
             "probe_layers": self.profile.probe_layers,
             "proxy": self.profile.proxy,
             "proxy_rank": int(self.v.shape[1]),
-            **c,
-            "mean_decode_depth": (
-                c["layers_executed"] / c["decode_tokens"] if c["decode_tokens"] else None
-            ),
-            "exit_tokens": {str(k): v for k, v in sorted(self.exit_tokens.items())},
+            **self.stats.summary(),
             "finished": list(self.finished),
         }
