@@ -59,6 +59,7 @@ OFFLINE = (
     # adapter training
     "vllm_adaptive.m2r2.args",
     "vllm_adaptive.m2r2.train",
+    "vllm_adaptive.m2r2.objective",
     # EAGLE-3 draft heads: the format and their training
     "vllm_adaptive.speculative.eagle3_head",
     "vllm_adaptive.speculative.draft_args",

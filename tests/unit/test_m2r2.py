@@ -197,7 +197,7 @@ def test_arla_exit_probability():
 
 def test_exit_mode_losses_and_gradients(hf_model, ids):
     from vllm_adaptive.m2r2.args import TrainOptions
-    from vllm_adaptive.m2r2.train import m2r2_losses
+    from vllm_adaptive.m2r2.objective import m2r2_losses
 
     cfg = AdapterConfig.from_model_config(hf_model.config, mode="exit", gates=[2, 4], rank=4)
     adapters = M2R2Adapters.zeros(cfg)
