@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_adaptive.bench.moe import combine_runs, combine_stats, plot_bench, table
+from vllm_adaptive.bench.moe import combine_runs, combine_stats
+from vllm_adaptive.bench.moe_report import plot_bench, table
 
 
 def _run(tps: float, tokens=((1, 2), (3, 4))) -> dict:
