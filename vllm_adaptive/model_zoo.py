@@ -13,6 +13,9 @@ writes to a temporary directory, verifies every tensor read back from disk
 against the in-memory model, records a sha256 manifest, and only then moves the
 directory into place. A second call finds the manifest, re-hashes the files and
 returns the same directory.
+
+Over 400 lines because each step above (download, assemble, convert, verify, record) is a
+function of its own here, and the derived checkpoints (W8A8, MoEfied) reuse them.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ policies it calls. One step:
 What happens to the K/V of skipped layers is the KV strategy's (`kv_strategies/`, one class
 per `adaptive.depth.kv_strategy`); the runtime calls its hooks at each of these points and
 holds no strategy of its own.
+
+Over 400 lines because the three steps above share one step's state (the plan, the active
+rows, the metadata of the rows still running); the mechanisms they call live in their own
+modules (``peeling``, ``backfill``, ``accelerated``, ``fusion_runtime``, ``kv_strategies``).
 """
 
 from __future__ import annotations

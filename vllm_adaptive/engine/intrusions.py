@@ -74,6 +74,9 @@ Not in the registry, because vLLM or torch offers them as hooks: the entry point
 drafts for (``speculative/proposer.py``). Nor are changes to module instances of the model the
 plugin itself built (gears swap a linear's ``quant_method`` in ``models/precision.py``; the Exit
 River's backbone offloading replaces a linear's weight in ``depth/exit_river.py``).
+
+Over 400 lines on purpose: every change to vLLM's objects sits in this one file, so that a
+review of the plugin against a new vLLM release reads one module.
 """
 
 from __future__ import annotations

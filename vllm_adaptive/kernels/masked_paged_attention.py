@@ -59,6 +59,9 @@ sorted by length and grouped so that padding stays small; a prefill row is proce
 its queries in chunks (each chunk only reads the keys up to its last position). Per request or
 per group there is a fixed number of torch ops; nothing loops over tokens in Python. Not
 supported: sliding windows, ALiBi, soft-capping, sinks, fp8 caches, encoder attention.
+
+Over 400 lines: one kernel (the decode groups and the chunked prefill share the cache
+gather and the mask), with the stock CPU op it is checked and timed against.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ same process before the configs. Per config, at batch 1:
 
 Prompts and streams come from the held-out 10% of each corpus (``vllm_adaptive/corpora.py``), as in
 the vLLM bench. Nothing here imports vLLM or torch.
+
+Over 400 lines: the MLX counterpart of ``bench/`` (workload, engines, quality, report) in one
+module, because MLX runs on machines where the rest of ``bench/`` cannot be imported.
 """
 
 from __future__ import annotations

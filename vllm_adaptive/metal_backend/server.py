@@ -13,6 +13,9 @@ budget without adaptive depth) is HTTP 400 naming why.
 Built on the standard library's ``http.server`` (as ``mlx_lm.server`` is), so a Mac needs
 nothing beyond mlx and mlx-lm. Requests run one at a time (MLX holds one model; a second
 request waits for the first), which is also mlx-lm's server model.
+
+Over 400 lines because it carries the OpenAI routes the vLLM server offers (completions, chat,
+streaming, the per-request route) on the standard library alone.
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@ paper's calibration set C) and a validation half (reported agreement, proxy erro
 budget simulation: the paper's "validation slice").
 
 ``signals`` adds the other exit signals' calibrations to the same profile, on the same
-collection and halves: QuickSilver's thresholds (`calibrate_quicksilver.py`, appendix B.2)
-and River's tau (`calibrate_river.py`), under the keys ``quicksilver`` / ``river`` of
+collection and halves: QuickSilver's thresholds (`calibration/quicksilver.py`, appendix B.2)
+and River's tau (`calibration/river.py`), under the keys ``quicksilver`` / ``river`` of
 ``profile.json`` and ``quicksilver_*`` / ``river_*`` tensors. The EMAD part is always there:
 every signal's runtime needs the profile's readout norms and probe layers. Both check after
 every block, so the CLI probes every layer with ``--signal``; this function takes
 ``collect.probe_every`` as given.
+
+Over 400 lines: EMAD's calibration is one pipeline (collect, fit the readouts and proxy,
+choose thresholds for the budget, write the profile); its parts live in ``collect``,
+``norms``, ``targets`` and ``budget``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The paper takes tau_fuse as the 15th percentile of the adjacent-pair L2 distances at layers
 {10, 15, 20} on calibration text. Its raw distances grow with depth, so one tau cannot serve
 every layer; here each fusion layer gets its own tau, and the percentile is not fixed but
-chosen, as the other signals' thresholds are (`calibrate_quicksilver.py`), for a perplexity
+chosen, as the other signals' thresholds are (`quicksilver.py`), for a perplexity
 tolerance:
 
 1. calibration text only (`corpora.py`'s split), cut into prompt + continuation windows; the
