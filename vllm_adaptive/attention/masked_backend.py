@@ -26,13 +26,13 @@ soft-capping, sinks, fp8 KV cache, KV sharing, encoder or cross attention), and 
 ``vec16`` CPU ISAs whose K layout the torch kernel reads; anything else is refused when the impl
 is built (or, for the ISA, which the metadata builder assigns later, at the first masked call).
 
-Registration (the ``masked-attention-backend`` entry of :mod:`vllm_adaptive.engine.intrusions`,
-by this module's class path, so the engine glue imports no mechanism) overrides the *class path*
-of ``AttentionBackendEnum.CPU_ATTN`` in vLLM's backend registry: on the CPU platform
-``CpuPlatform.get_attn_backend_cls`` always answers ``AttentionBackendEnum.CPU_ATTN.get_path()``
-(it ignores any other selection), and ``get_path`` honours registry overrides. The backend keeps
-the name ``CPU_ATTN`` (``Attention`` looks its name up in ``AttentionBackendEnum``; name-based
-checks in vLLM and ``peeling.SUPPORTED_BACKENDS`` keep working); :func:`masked_backend_active`
+Registration (the ``masked-attention-backend`` entry of :mod:`vllm_adaptive.engine.intrusions`, by
+this module's class path, so the engine glue imports no mechanism) overrides the *class path* of
+``AttentionBackendEnum.CPU_ATTN`` in vLLM's backend registry: on the CPU platform
+``CpuPlatform.get_attn_backend_cls`` always answers ``AttentionBackendEnum.CPU_ATTN.get_path()`` (it
+ignores any other selection), and ``get_path`` honours registry overrides. The backend keeps the
+name ``CPU_ATTN`` (``Attention`` looks its name up in ``AttentionBackendEnum``; name-based checks in
+vLLM and ``attention_metadata.SUPPORTED_BACKENDS`` keep working); :func:`masked_backend_active`
 tells a masked layer from a stock one.
 """
 

@@ -13,9 +13,9 @@ layer modules, for the decode rows that are exit candidates at E_j:
   attention output and parallel to the MLP (`vllm_adaptive.m2r2.adapters`), one query token
   per row at its own position.
 * **Shared KV cache (A.1.4).** Attention reads the paged cache through one-token CPU attention
-  metadata for the rows (`peeling.one_token_cpu_metadata`): earlier positions hold the slow
-  stream's K/V, and the token's own K/V, computed from p, are written into the token's own slot
-  at that layer before it is read: ``MHA(p_t, h_<t (+) p_t)``.
+  metadata for the rows (`engine/attention_metadata.one_token_cpu_metadata`): earlier positions hold
+  the slow stream's K/V, and the token's own K/V, computed from p, are written into the token's own
+  slot at that layer before it is read: ``MHA(p_t, h_<t (+) p_t)``.
 
 Why p must run BEFORE the slow stream of the interval, never after. p's own K/V land in the
 token's slots at layers E_{j-1} .. E_j - 1, the same slots the slow stream uses. Every row p is
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_adaptive.depth.peeling import CpuSchedulerArgs, one_token_cpu_metadata
+from vllm_adaptive.engine.attention_metadata import CpuSchedulerArgs, one_token_cpu_metadata
 from vllm_adaptive.m2r2.adapters import M2R2Adapters
 
 if TYPE_CHECKING:

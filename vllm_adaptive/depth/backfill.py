@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_adaptive.depth.record import SlotDepthRecord
+from vllm_adaptive.engine.attention_metadata import write_layer_kv
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import LayerParts
@@ -28,11 +29,6 @@ class ExitStateStore:
 
     def write(self, slots: torch.Tensor, stream: torch.Tensor) -> None:
         self.state[slots.long()] = stream.to(self.state.dtype)
-
-
-def _kv_cache(attn) -> torch.Tensor:
-    cache = attn.kv_cache
-    return cache[0] if isinstance(cache, (list, tuple)) else cache
 
 
 @torch.inference_mode()
@@ -62,7 +58,7 @@ def propagate_kv(
         attn = layer.attn
         k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
         v = v.reshape(-1, attn.num_kv_heads, attn.head_size)
-        attn.impl.do_kv_cache_update(attn, k, v, _kv_cache(attn), slots[sel])
+        write_layer_kv(attn, k, v, slots[sel])
         written += int(sel.sum())
     return written
 

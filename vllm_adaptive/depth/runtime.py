@@ -22,9 +22,10 @@ What happens to the K/V of skipped layers is the KV strategy's (`kv_strategies/`
 per `adaptive.depth.kv_strategy`); the runtime calls its hooks at each of these points and
 holds no strategy of its own.
 
-Over 400 lines because the three steps above share one step's state (the plan, the active
-rows, the metadata of the rows still running); the mechanisms they call live in their own
-modules (``peeling``, ``backfill``, ``accelerated``, ``fusion_runtime``, ``kv_strategies``).
+Over 400 lines because the three steps above share one step's state (the plan, the active rows, the
+metadata of the rows still running); the mechanisms they call live in their own modules
+(``engine/attention_metadata``, ``backfill``, ``accelerated``, ``fusion_runtime``,
+``kv_strategies``).
 """
 
 from __future__ import annotations
@@ -43,12 +44,6 @@ from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.fusion_runtime import EngineFusion
 from vllm_adaptive.depth.kv_strategies import PlanDraft, build_kv_strategy
 from vllm_adaptive.depth.mask_context import StepMask, current_mask, replace_mask
-from vllm_adaptive.depth.peeling import (
-    CpuSchedulerArgs,
-    fused_cpu_metadata,
-    subset_cpu_metadata,
-    token_index,
-)
 from vllm_adaptive.depth.policies.build import build_exit_signal, load_arla_adapters
 from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
@@ -56,6 +51,12 @@ from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests, exchan
 from vllm_adaptive.depth.schedule import DepthSchedule
 from vllm_adaptive.depth.stats import DecodeDepthStats
 from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
+from vllm_adaptive.engine.attention_metadata import (
+    CpuSchedulerArgs,
+    fused_cpu_metadata,
+    subset_cpu_metadata,
+    token_index,
+)
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts
@@ -278,23 +279,16 @@ class DepthRuntime:
     @torch.inference_mode()
     def forward(
         self,
+        md: Any | None,
         positions: torch.Tensor,
         hidden: torch.Tensor,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The decoder stack with exits; None when this step is not one it can plan (dummy
-        and profiling runs), and the caller runs every layer."""
-        from vllm_adaptive.engine.vllm_api import get_forward_context, is_forward_context_available
-
+        """The decoder stack with exits, given this step's attention metadata ``md`` (the
+        first layer's; None in dummy and profiling runs); None when this step is not one it
+        can plan, and the caller runs every layer."""
         parts = self.parts
-
-        if not is_forward_context_available():
-            return None
-        md_dict = get_forward_context().attn_metadata
-        if not isinstance(md_dict, dict) or self.layer_names[0] not in md_dict:
-            return None
-        md = md_dict[self.layer_names[0]]
-        if md is None or not hasattr(md, "block_table") or not self._ensure_record(parts):
+        if md is None or not self._ensure_record(parts):
             return None
         n = int(md.num_actual_tokens)
         if n != positions.shape[0]:

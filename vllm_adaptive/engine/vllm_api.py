@@ -67,28 +67,6 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
         "get_tensor_model_parallel_rank",
         ("precision.telemetry",),
     ),
-    # -- the forward context: the step's attention metadata and slot mappings --
-    "get_forward_context": (
-        "vllm.forward_context",
-        "get_forward_context",
-        (
-            "depth.peeling",
-            "depth.runtime",
-            "models.llama",
-            "precision.controller",
-            "speculative.draft_step",
-        ),
-    ),
-    "is_forward_context_available": (
-        "vllm.forward_context",
-        "is_forward_context_available",
-        ("depth.runtime", "models.llama", "precision.controller", "speculative.draft_step"),
-    ),
-    "set_forward_context": (
-        "vllm.forward_context",
-        "set_forward_context",
-        ("speculative.draft_step",),
-    ),
     # -- the CPU attention backend (attention/, the masked kernel's reference) --
     "AttentionType": ("vllm.v1.attention.backend", "AttentionType", ("attention.masked_backend",)),
     "CPUAttentionBackend": (
@@ -120,14 +98,8 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "custom_ops": (
         "vllm._custom_ops",
         None,
-        (
-            "depth.peeling",
-            "kernels.float_linear",
-            "kernels.masked_paged_attention",
-            "kernels.measure",
-        ),
+        ("kernels.float_linear", "kernels.masked_paged_attention", "kernels.measure"),
     ),
-    "envs": ("vllm.envs", None, ("depth.peeling",)),
     "check_cpu_sgl_kernel": (
         "vllm.model_executor.layers.utils",
         "check_cpu_sgl_kernel",

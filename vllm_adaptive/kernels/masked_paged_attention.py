@@ -11,16 +11,17 @@ position ``p`` attends to key position ``j`` at layer ``l`` iff
 
     j <= p   and   ( j >= ctx   or   depth_record[slot(j)] > l )
 
-i.e. cached keys are visible iff their record says layer ``l`` was written, and this step's own
-keys (``ctx <= j <= p``) are visible causally whatever their record says. That is consistent with
-how the record is maintained: it is committed at the *end* of a step, for every slot written in
-it, so during the step the record of this step's slots is stale (0 for a fresh slot, or the depth
-of a token that occupied the slot earlier) and must not be read. This step's keys are present at
-layer ``l`` whenever the query runs layer ``l``, because the depth runtime peels whole requests
-(``peeling.py``): a request's tokens of one step run the same layers, and the attention layer
-writes this step's K/V (``do_kv_cache_update``) before attending. Token-granular exits *inside* a
-prefill (QuickSilver halting per token) would break that premise and need a per-token "still
-running" flag for this step's keys; the runtime does not do that, so neither does this function.
+i.e. cached keys are visible iff their record says layer ``l`` was written, and this step's own keys
+(``ctx <= j <= p``) are visible causally whatever their record says. That is consistent with how the
+record is maintained: it is committed at the *end* of a step, for every slot written in it, so
+during the step the record of this step's slots is stale (0 for a fresh slot, or the depth of a
+token that occupied the slot earlier) and must not be read. This step's keys are present at layer
+``l`` whenever the query runs layer ``l``, because the depth runtime peels whole requests
+(``engine/attention_metadata.py``): a request's tokens of one step run the same layers, and the
+attention layer writes this step's K/V (``do_kv_cache_update``) before attending. Token-granular
+exits *inside* a prefill (QuickSilver halting per token) would break that premise and need a
+per-token "still running" flag for this step's keys; the runtime does not do that, so neither does
+this function.
 
 ``mask_step_tokens=True`` applies the record to this step's keys too (for a caller that commits
 planned depths before the step); the query's own slot is then masked when its record is ``<= l``.

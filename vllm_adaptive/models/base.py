@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError
+from vllm_adaptive.engine.attention_metadata import step_query_start_loc
 from vllm_adaptive.engine.vllm_api import IntermediateTensors, VllmConfig
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 from vllm_adaptive.models.precision import calibrate_from_prefill, install_precision
@@ -124,7 +125,7 @@ class AdaptiveCausalLM(HasAdaptiveParts):
         **kwargs: Any,
     ) -> torch.Tensor | IntermediateTensors:
         if self.precision is not None:
-            self.precision.begin_step(positions)
+            self.precision.begin_step(positions, step_query_start_loc())
         model = self.model  # type: ignore[attr-defined]
         hidden = model(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         if self.precision is not None and isinstance(hidden, torch.Tensor):

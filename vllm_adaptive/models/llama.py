@@ -20,6 +20,7 @@ from torch import nn
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.depth.runtime import DepthRuntime
+from vllm_adaptive.engine.attention_metadata import attention_skipped, step_attention_metadata
 from vllm_adaptive.engine.vllm_api import (
     CompilationMode,
     CUDAGraphMode,
@@ -28,10 +29,8 @@ from vllm_adaptive.engine.vllm_api import (
     LlamaForCausalLM,
     LlamaModel,
     VllmConfig,
-    get_forward_context,
     get_pp_group,
     ignore_torch_compile,
-    is_forward_context_available,
 )
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
 from vllm_adaptive.models.interface import LayerParts, ModelParts
@@ -140,7 +139,8 @@ class AdaptiveLlamaModel(LlamaModel):
 
         runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
         if runtime is not None and residual is None and not extra_layer_kwargs:
-            out = runtime.forward(positions, hidden, input_ids)
+            md = step_attention_metadata(runtime.layer_names[0])
+            out = runtime.forward(md, positions, hidden, input_ids)
             if out is not None:
                 return out
         hidden, residual = self.run_layers(positions, hidden, residual, **extra_layer_kwargs)
@@ -162,7 +162,7 @@ class AdaptiveLlamaModel(LlamaModel):
         With depth on it runs the runtime's blocks, so vLLM's warm-up compiles them."""
         runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
         if runtime is not None and not extra_layer_kwargs:
-            warm_up = runtime.block_compile_seconds() is None and _attention_skipped()
+            warm_up = runtime.block_compile_seconds() is None and attention_skipped()
             for layer in runtime.parts.layers:
                 if warm_up and layer.compiled is not None:
                     hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
@@ -172,14 +172,6 @@ class AdaptiveLlamaModel(LlamaModel):
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
         return hidden, residual
-
-
-def _attention_skipped() -> bool:
-    """No attention metadata this step (vLLM's warm-up and profiling runs)."""
-    if not is_forward_context_available():
-        return True
-    md = get_forward_context().attn_metadata
-    return md is None or (isinstance(md, dict) and all(v is None for v in md.values()))
 
 
 @ignore_torch_compile
@@ -202,7 +194,7 @@ def load_depth_runtime(
     """Load and check the profile, then build the runtime; errors name the config key."""
     from vllm_adaptive.artifacts import ProfileError
     from vllm_adaptive.depth.exit_profile import ExitProfile
-    from vllm_adaptive.depth.peeling import SUPPORTED_BACKENDS
+    from vllm_adaptive.engine.attention_metadata import SUPPORTED_BACKENDS
 
     try:
         profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)

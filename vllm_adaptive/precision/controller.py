@@ -158,10 +158,11 @@ class PrecisionController:
             self.mirror.apply(batch_update)
 
     # -- 2. the step plan ----------------------------------------------------------------------
-    def begin_step(self, positions: torch.Tensor) -> None:
+    def begin_step(self, positions: torch.Tensor, qsl: np.ndarray | None) -> None:
+        """This step's gear plan from the requests' positions and the step's query offsets
+        per request (``qsl``; None in vLLM's dummy and profiling runs: the high gear)."""
         t0 = time.perf_counter()
         num_tokens = positions.shape[0]
-        qsl = _query_start_loc()
         num_reqs = len(qsl) - 1 if qsl is not None else 0
         if (
             qsl is None
@@ -330,23 +331,6 @@ class PrecisionController:
             "finished": list(self.finished),
             "live": live,
         }
-
-
-def _query_start_loc() -> np.ndarray | None:
-    from vllm_adaptive.engine.vllm_api import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    md = get_forward_context().attn_metadata
-    if isinstance(md, list):
-        md = md[0] if md else None
-    if isinstance(md, dict):
-        md = next(iter(md.values()), None)
-    qsl = getattr(md, "query_start_loc", None)
-    if qsl is None:
-        return None
-    n = int(qsl.shape[0])
-    return qsl.cpu().numpy()[:n].astype(np.int64)
 
 
 def register(controller: PrecisionController) -> None:

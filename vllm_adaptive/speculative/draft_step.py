@@ -16,7 +16,7 @@ this step (vLLM verifies however many a request has). Blocks under those positio
 request alone: vLLM shares only full blocks of computed tokens.
 
 CPU attention (CPU_ATTN) only, like depth-peeling: its metadata for a batch of one-token queries
-is rebuilt with :func:`vllm_adaptive.depth.peeling.one_token_cpu_metadata`.
+is rebuilt with :func:`vllm_adaptive.engine.attention_metadata.one_token_cpu_metadata`.
 
 The draft pass is compiled when the engine compiles its model (vLLM's default; not under
 ``--enforce-eager``): run eagerly, its per-layer Python (module calls, norms, rotary, the
@@ -35,7 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_adaptive.depth.peeling import CpuSchedulerArgs, one_token_cpu_metadata
+from vllm_adaptive.engine.attention_metadata import (
+    CpuSchedulerArgs,
+    one_token_forward_context,
+    step_attention_metadata,
+)
 
 logger = logging.getLogger("vllm.adaptive.speculative")
 
@@ -102,16 +106,7 @@ class SharedKVDraftStep:
 
     def capture(self) -> None:
         """Called as the target model runs (a forward pre-hook): keep the step's metadata."""
-        from vllm_adaptive.engine.vllm_api import get_forward_context, is_forward_context_available
-
-        self.md = None
-        if not is_forward_context_available():
-            return
-        md_dict = get_forward_context().attn_metadata
-        if isinstance(md_dict, dict):
-            md = md_dict.get(self.layer_names[0])
-            if md is not None and hasattr(md, "block_table") and hasattr(md, "seq_lens"):
-                self.md = md
+        self.md = step_attention_metadata(self.layer_names[0])
 
     def check_backend(self) -> None:
         name = self._attn.attn_backend.get_name()
@@ -144,8 +139,6 @@ class SharedKVDraftStep:
     def one_token(self, rows: np.ndarray, positions: np.ndarray) -> Iterator[torch.Tensor]:
         """A forward context where every layer attends one query per row at ``positions``
         (writing its K/V to that position's slot); yields the positions tensor."""
-        from vllm_adaptive.engine.vllm_api import set_forward_context
-
         md = self.md
         if self.sched_args is None:
             self.sched_args = CpuSchedulerArgs.from_layer(
@@ -154,15 +147,7 @@ class SharedKVDraftStep:
         dev = md.block_table.device
         rows_t = torch.from_numpy(rows).to(dev)
         pos = torch.from_numpy(positions).to(dev)
-        bs = self.block_size
-        blocks = md.block_table[rows_t, pos // bs].long()
-        slots = blocks * bs + pos % bs
-        sub = one_token_cpu_metadata(md, rows_t, pos + 1, slots, self.sched_args)
-        names = self.layer_names
-        with set_forward_context(
-            {name: sub for name in names},
-            self.vllm_config,
-            num_tokens=int(rows.size),
-            slot_mapping={name: sub.slot_mapping for name in names},
+        with one_token_forward_context(
+            md, rows_t, pos, self.block_size, self.sched_args, self.layer_names, self.vllm_config
         ):
             yield pos

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vllm_adaptive.depth.mask_context import StepMask, publish_mask
-from vllm_adaptive.depth.peeling import step_metadata
+from vllm_adaptive.engine.attention_metadata import layer_metadata_swaps
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts
@@ -105,7 +105,7 @@ class KvStrategy:
         """The step's layer loop: ``(output stream, depth per row)``. By default depth-peeling
         with the step's attention metadata swapped per peel and the strategy's mask published."""
         mask = self.step_mask(runtime, plan)
-        with step_metadata(runtime.layer_names) as ctx, publish_mask(mask):
+        with layer_metadata_swaps(runtime.layer_names) as ctx, publish_mask(mask):
             self.before_layers(runtime, parts, ctx, md, plan)
             return runtime._peel(parts, ctx, md, plan, positions, hidden, input_ids)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
-from vllm_adaptive.depth.peeling import one_token_cpu_metadata
+from vllm_adaptive.engine.attention_metadata import one_token_cpu_metadata
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts

@@ -1,13 +1,20 @@
-"""Batched depth-peeling: attention metadata for the subset of requests still running.
+"""vLLM's attention metadata, read and rewritten for the plugin's mechanisms: the only module
+that reads vLLM's forward context or builds CPU attention metadata.
 
-At each layer only the tokens still active run it, as one batched call. The attention layers
-read their metadata and slot mapping from vLLM's forward context by layer name, so peeling
-swaps in metadata sliced to the active requests (re-based query offsets, their sequence
-lengths, block-table rows and slots) and, for the CPU backend, recomputes the kernel's
-scheduler metadata. The set only changes at probe layers, so that is at most once per probe.
+- This step's metadata (:func:`step_attention_metadata`, :func:`step_query_start_loc`,
+  :func:`attention_skipped`): the model classes read them once per step and pass them down.
+- Metadata for a subset of the step (depth-peeling: :func:`subset_cpu_metadata`; token fusion:
+  :func:`fused_cpu_metadata`; one query per row for tokens that are not this step's:
+  :func:`one_token_cpu_metadata`), and the forward context that installs it per layer
+  (:func:`layer_metadata_swaps`, :func:`one_token_forward_context`).
+- Writing K/V into a layer's paged cache outside its attention call (:func:`write_layer_kv`).
 
-Only vLLM's CPU backend (CPU_ATTN) is supported: on GPU backends a subset would also need
-its own CUDA graph (one per active-set size) or an eager fallback, see docs/adaptive-depth.md.
+The attention layers read their metadata and slot mapping from vLLM's forward context by layer
+name, so a subset is metadata sliced to the active requests (re-based query offsets, their
+sequence lengths, block-table rows and slots) with the CPU kernel's scheduler metadata
+recomputed. Only vLLM's CPU backend (CPU_ATTN) is supported: on GPU backends a subset would
+also need its own CUDA graph (one per active-set size) or an eager fallback, see
+docs/adaptive-depth.md.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 SUPPORTED_BACKENDS = ("CPU_ATTN",)
@@ -62,8 +70,8 @@ def _scheduler_metadata(
     md: Any, args: CpuSchedulerArgs, seq_lens: torch.Tensor, qsl: torch.Tensor
 ) -> torch.Tensor:
     """What vLLM's CPU metadata builder computes for a batch of requests."""
-    from vllm_adaptive.engine.vllm_api import custom_ops as ops
-    from vllm_adaptive.engine.vllm_api import envs
+    from vllm import _custom_ops as ops
+    from vllm import envs
 
     return ops.cpu_attn_get_scheduler_metadata(
         num_reqs=int(seq_lens.shape[0]),
@@ -152,16 +160,16 @@ def one_token_cpu_metadata(
 
 
 @contextmanager
-def step_metadata(layer_names: list[str]) -> Iterator[PeelingContext]:
+def layer_metadata_swaps(layer_names: list[str]) -> Iterator[LayerMetadataSwaps]:
     """Lets the layer loop swap per-layer metadata for this step; restores it afterwards."""
-    from vllm_adaptive.engine.vllm_api import get_forward_context
+    from vllm.forward_context import get_forward_context
 
     ctx = get_forward_context()
     md_dict, slot_dict = ctx.attn_metadata, ctx.slot_mapping
     saved_md = {n: md_dict[n] for n in layer_names}
     saved_slots = {n: slot_dict.get(n) for n in layer_names}
     try:
-        yield PeelingContext(md_dict, slot_dict, layer_names)
+        yield LayerMetadataSwaps(md_dict, slot_dict, layer_names)
     finally:
         md_dict.update(saved_md)
         for n, s in saved_slots.items():
@@ -170,7 +178,10 @@ def step_metadata(layer_names: list[str]) -> Iterator[PeelingContext]:
 
 
 @dataclasses.dataclass
-class PeelingContext:
+class LayerMetadataSwaps:
+    """This step's per-layer attention metadata in vLLM's forward context, which the layer
+    loop replaces from a layer on (the rows still running, the tokens fusion kept)."""
+
     md_dict: dict
     slot_dict: dict
     layer_names: list[str]
@@ -183,3 +194,88 @@ class PeelingContext:
         for name in self.layer_names[from_layer:]:
             self.md_dict[name] = md
             self.slot_dict[name] = md.slot_mapping
+
+
+# -- this step --------------------------------------------------------------------------------
+
+
+def _metadata_dict() -> dict | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    return md if isinstance(md, dict) else None
+
+
+def step_attention_metadata(layer_name: str) -> Any | None:
+    """This step's CPU attention metadata of ``layer_name``; None outside a forward or in vLLM's
+    dummy and profiling runs (no metadata), and for metadata that is not CPU_ATTN's."""
+    md_dict = _metadata_dict()
+    md = md_dict.get(layer_name) if md_dict is not None else None
+    if md is None or not hasattr(md, "block_table") or not hasattr(md, "seq_lens"):
+        return None
+    return md
+
+
+def step_query_start_loc() -> np.ndarray | None:
+    """This step's query offsets per request (``[num_reqs + 1]``, int64), from any layer's
+    metadata; None outside a forward or without metadata."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):
+        md = md[0] if md else None
+    if isinstance(md, dict):
+        md = next(iter(md.values()), None)
+    qsl = getattr(md, "query_start_loc", None)
+    if qsl is None:
+        return None
+    return qsl.cpu().numpy()[: int(qsl.shape[0])].astype(np.int64)
+
+
+def attention_skipped() -> bool:
+    """No attention metadata this step (vLLM's warm-up and profiling runs)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return True
+    md = get_forward_context().attn_metadata
+    return md is None or (isinstance(md, dict) and all(v is None for v in md.values()))
+
+
+@contextmanager
+def one_token_forward_context(
+    md: Any,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    args: CpuSchedulerArgs,
+    layer_names: list[str],
+    vllm_config: Any,
+) -> Iterator[None]:
+    """A forward context where every layer attends one query per row of ``md`` (``rows``) at
+    ``positions``, writing its K/V to that position's slot (drafting into the target's own
+    cache)."""
+    from vllm.forward_context import set_forward_context
+
+    blocks = md.block_table[rows, positions // block_size].long()
+    slots = blocks * block_size + positions % block_size
+    sub = one_token_cpu_metadata(md, rows, positions + 1, slots, args)
+    with set_forward_context(
+        {name: sub for name in layer_names},
+        vllm_config,
+        num_tokens=int(rows.numel()),
+        slot_mapping={name: sub.slot_mapping for name in layer_names},
+    ):
+        yield
+
+
+def write_layer_kv(attn: Any, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write K/V (``[n, kv_heads, head_size]``) into ``attn``'s paged cache at ``slots``, as
+    the layer's own attention call would (for K/V made outside it: state propagation)."""
+    cache = attn.kv_cache
+    cache = cache[0] if isinstance(cache, (list, tuple)) else cache
+    attn.impl.do_kv_cache_update(attn, k, v, cache, slots)
