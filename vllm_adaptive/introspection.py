@@ -54,7 +54,7 @@ def describe_parts(model: Any) -> dict[str, Any] | None:
                 "linears": sorted(layer.linears),
                 "optional": [f for f in _OPTIONAL_PARTS if getattr(layer, f) is not None],
                 "sliding_window": layer.sliding_window,
-                "llama_block": layer.llama_block,
+                "block_recipe": layer.recipe.name if layer.recipe is not None else None,
                 "owned": all(id(m) in owned for m in modules if isinstance(m, torch.nn.Module)),
             }
         )

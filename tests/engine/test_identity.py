@@ -69,7 +69,7 @@ def test_model_interface(engine) -> None:
         assert layer["attn_layer_name"] == f"model.layers.{i}.self_attn.attn"
         assert layer["linears"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
         assert layer["optional"] == ["act_fn"] and layer["sliding_window"] is None
-        assert layer["llama_block"], i
+        assert layer["block_recipe"] == "llama", i
 
 
 def test_identical_to_stock(engine, stock_bf16: dict) -> None:

@@ -79,7 +79,7 @@ def test_model_interface(engine, gemma_dir: Path) -> None:
             "q_norm",
             "k_norm",
         ]
-        assert not layer["llama_block"]
+        assert layer["block_recipe"] is None
 
 
 def test_identical_to_stock(engine, stock_gemma_bf16: dict) -> None:

@@ -119,7 +119,7 @@ def test_model_interface_names_the_experts(runs) -> None:
         assert layer["owned"], layer["index"]
         assert layer["linears"] == ["o_proj", "qkv_proj"]
         assert layer["optional"] == ["experts"]
-        assert not layer["llama_block"]
+        assert layer["block_recipe"] is None
 
 
 @pytest.mark.parametrize("predictor", [*PREDICTORS, "lru"])

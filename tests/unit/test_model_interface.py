@@ -1,5 +1,5 @@
-"""The model interface's own logic (``models/interface.py``) on plain torch modules: which
-layouts count as Llama's block, managed linears in layer order under their fused names, and the
+"""The model interface's own logic (``models/interface.py``) on plain torch modules: the
+block-recipe capability, managed linears in layer order under their fused names, and the
 errors naming what is missing. What the real model classes hand out is checked through engines
 (``test_identity.py``, ``test_gemma3.py``, ``test_moe_engine.py``)."""
 
@@ -53,14 +53,11 @@ def _parts(layers) -> ModelParts:
     )
 
 
-def test_only_llamas_layout_is_a_llama_block() -> None:
-    assert _layer(0).llama_block
-    for field in ("pre_feedforward_norm", "post_feedforward_norm", "q_norm", "k_norm", "experts"):
-        assert not _layer(0, **{field: nn.Identity()}).llama_block, field
-    assert not _layer(0, sliding_window=512).llama_block
-    assert not dataclasses.replace(_layer(0), act_fn=None).llama_block
-    moe = dataclasses.replace(_layer(0), linears={"qkv_proj": nn.Identity()})
-    assert not moe.llama_block
+def test_a_layer_without_a_recipe_is_refused_naming_the_mechanism() -> None:
+    with pytest.raises(ValueError, match="the Exit River runs the decoder block.*layer 3"):
+        _layer(3).require_recipe("the Exit River")
+    marker = object()
+    assert _layer(0, recipe=marker).require_recipe("x") is marker
 
 
 def test_managed_linears_in_layer_order_with_fused_names() -> None:
@@ -97,3 +94,68 @@ def test_a_model_without_the_interface_is_named() -> None:
 
     assert supports_adaptive(WithParts())
     assert model_parts(WithParts()).layers[0].index == 0
+
+
+class _Norm(nn.Module):
+    """vLLM's RMSNorm contract: ``(x)`` or ``(x, residual)`` with the fused add."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self.norm(x)
+        residual = x + residual
+        return self.norm(residual), residual
+
+
+class _Linear(nn.Linear):
+    """vLLM's linear contract: ``(y, bias)``."""
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+def _fake_llama_layer(d: int = 8, sliding_window: int | None = None) -> nn.Module:
+    """The attributes ``llama_layer_parts`` reads from vLLM's ``LlamaDecoderLayer``."""
+    torch.manual_seed(0)
+    layer = nn.Module()
+    attn = nn.Module()
+    attn.qkv_proj, attn.o_proj = _Linear(d, 2 * d), _Linear(d, d)  # q d, k d/2, v d/2
+    attn.q_size, attn.kv_size = d, d // 2
+    attn.rotary_emb = lambda positions, q, k: (q * 2, k * 3)
+    attn.attn = nn.Module()
+    attn.attn.sliding_window = sliding_window
+    attn.attn.forward = lambda q, k, v: q + torch.cat([k, v], -1)
+    layer.self_attn = attn
+    layer.input_layernorm, layer.post_attention_layernorm = _Norm(d), _Norm(d)
+    mlp = nn.Module()
+    mlp.gate_up_proj, mlp.down_proj = _Linear(d, 2 * d), _Linear(d, d)
+    mlp.act_fn = lambda x: torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    mlp.forward = lambda x: mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)[0]))[0]
+    layer.mlp = mlp
+    return layer
+
+
+def test_llama_recipe_is_given_to_dense_global_layers_only_and_matches_its_parts() -> None:
+    from vllm_adaptive.models.llama import LLAMA_BLOCK, llama_layer_parts
+
+    parts = llama_layer_parts(0, _fake_llama_layer())
+    assert parts.recipe is LLAMA_BLOCK
+    assert llama_layer_parts(0, _fake_llama_layer(sliding_window=64)).recipe is None
+    assert llama_layer_parts(0, _fake_llama_layer(), dense_mlp=False).recipe is None
+    x, pos = torch.randn(3, 8), torch.arange(3)
+    own = {name: (lambda t, lin=parts.linears[name]: lin(t)[0]) for name in LINEAR_NAMES}
+    hidden, residual = LLAMA_BLOCK.run_with(parts, own, pos, x, None)
+    # by hand: Llama's block on these parts
+    h = parts.input_norm(x)
+    q, k, v = parts.split_qkv(parts.linears["qkv_proj"](h)[0])
+    q, k = q * 2, k * 3
+    o = parts.linears["o_proj"](q + torch.cat([k, v], -1))[0]
+    y, res = parts.post_attention_norm(o, x)
+    torch.testing.assert_close(residual, res)
+    torch.testing.assert_close(hidden, parts.mlp(y))
+    k2, v2 = LLAMA_BLOCK.kv_from_state(parts, x, pos)
+    torch.testing.assert_close(k2, k)
+    torch.testing.assert_close(v2, v)

@@ -49,21 +49,29 @@ if TYPE_CHECKING:
     from vllm_adaptive.models.interface import LayerParts
 
 
+@dataclass(frozen=True)
+class AdapterDeltas:
+    """Adapter ``index``'s corrections inside its block (:class:`BlockDeltas`)."""
+
+    adapters: M2R2Adapters
+    index: int
+
+    def q(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adapters.delta_q(self.index, x)
+
+    def o(self, attn_out: torch.Tensor) -> torch.Tensor:
+        return self.adapters.delta_o(self.index, attn_out)
+
+    def mlp(self, y: torch.Tensor) -> torch.Tensor:
+        return self.adapters.delta_mlp(self.index, y)
+
+
 def accelerated_block(
     layer: LayerParts, adapters: M2R2Adapters, i: int, positions: torch.Tensor, p: torch.Tensor
 ) -> torch.Tensor:
-    """Llama block ``i`` on the accelerated stream (unfused residual), from the layer's parts,
-    plus adapter ``i``'s deltas; attention uses the installed forward context."""
-    x = layer.input_norm(p)
-    qkv, _ = layer.linear("qkv_proj")(x)
-    q, k, v = layer.split_qkv(qkv)
-    q = q + adapters.delta_q(i, x)
-    q, k = layer.rotary(positions, q, k)
-    a = layer.attn(q, k, v)
-    o, _ = layer.linear("o_proj")(a)
-    p = p + o + adapters.delta_o(i, a)
-    y = layer.post_attention_norm(p)
-    return p + layer.mlp(y) + adapters.delta_mlp(i, y)
+    """Block ``i`` on the accelerated stream (unfused residual) plus adapter ``i``'s deltas,
+    through the layer's recipe; attention uses the installed forward context."""
+    return layer.recipe.run_accelerated(layer, AdapterDeltas(adapters, i), positions, p)
 
 
 @dataclass
@@ -122,26 +130,14 @@ class AcceleratedStream:
     ) -> AcceleratedStash:
         """Interval ``gate_index`` for step rows ``rows`` (ascending) of the step's metadata
         ``md``, one token each at ``positions`` with KV slots ``slots``, from the slow stream
-        ``stream`` [n, d]. ``ctx`` is the step's `PeelingContext`: the one-token metadata is
+        ``stream`` [n, d]. ``ctx`` is the step's `LayerMetadataSwaps`: the one-token metadata is
         installed for the interval's layers and what was there is put back afterwards."""
         start, stop = self.intervals[gate_index]
         sub = one_token_cpu_metadata(md, rows, positions + 1, slots, sched_args)
-        names = ctx.layer_names[start:stop]
-        saved = [(ctx.md_dict[n], ctx.slot_dict.get(n)) for n in names]
-        for n in names:
-            ctx.md_dict[n] = sub
-            ctx.slot_dict[n] = sub.slot_mapping
-        try:
-            p = stream
-            states = [p]
+        p = stream
+        states = [p]
+        with ctx.installed_between(sub, start, stop):
             for i in range(start, stop):
                 p = accelerated_block(layers[i], self.adapters, i, positions, p)
                 states.append(p)
-        finally:
-            for n, (m, s) in zip(names, saved, strict=True):
-                ctx.md_dict[n] = m
-                if s is None:
-                    ctx.slot_dict.pop(n, None)
-                else:
-                    ctx.slot_dict[n] = s
         return AcceleratedStash(gate_index, stop, rows.cpu(), torch.stack(states, dim=1))

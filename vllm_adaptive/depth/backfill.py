@@ -51,10 +51,9 @@ def propagate_kv(
     for layer_index in range(int(have.min()), target_depth):
         sel = have <= layer_index
         layer = layers[layer_index]
-        x = layer.input_norm(states[sel])
-        qkv, _ = layer.linear("qkv_proj")(x)
-        q, k, v = layer.split_qkv(qkv)
-        _, k = layer.rotary(positions[sel], q, k)
+        k, v = layer.require_recipe("state propagation").kv_from_state(
+            layer, states[sel], positions[sel]
+        )
         attn = layer.attn
         k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
         v = v.reshape(-1, attn.num_kv_heads, attn.head_size)

@@ -67,7 +67,7 @@ class ExitRiver:
         L-1``); run after the weights are loaded. ``group_size`` and ``symmetric`` apply to
         int4; int8 is per-row symmetric (the packed kernel's layout), w8a8 per-row symmetric
         weights with per-token activations, fp16 the weight rounded."""
-        require_llama_blocks(layers[entry_layer:], "the Exit River (and the low-bit draft)")
+        require_recipes(layers[entry_layer:], "the Exit River (and the low-bit draft)")
         self.entry_layer = entry_layer
         self.precision = precision
         self.group_size = group_size if precision == "int4" else None
@@ -133,12 +133,12 @@ class ExitRiver:
         river: torch.Tensor,
         backbone: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Llama's block with the linears split by row; ``backbone`` None: every row is a river
-        row."""
+        """The layer's block with the linears split by row; ``backbone`` None: every row is a
+        river row."""
         linears = {
             name: (lambda x, n=name: self._mixed(layer, n, x, river, backbone)) for name in LINEARS
         }
-        return block_forward(layer, linears, positions, hidden, residual)
+        return layer.recipe.run_with(layer, linears, positions, hidden, residual)
 
     def river_ops(
         self, layers: Sequence[LayerParts]
@@ -200,39 +200,11 @@ class ExitRiver:
             )
 
 
-def block_forward(
-    layer: LayerParts,
-    linears: dict[str, Callable[[torch.Tensor], torch.Tensor]],
-    positions: torch.Tensor,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama's block (vLLM's ``LlamaDecoderLayer.forward``) from the layer's parts, with its
-    four linears replaced by ``linears`` (name -> ``x -> y``); norms, rotary and attention are
-    the layer's own. Holds only where ``layer.llama_block`` (callers check at build)."""
-    if residual is None:
-        residual = hidden
-        hidden = layer.input_norm(hidden)
-    else:
-        hidden, residual = layer.input_norm(hidden, residual)
-    q, k, v = layer.split_qkv(linears["qkv_proj"](hidden))
-    q, k = layer.rotary(positions, q, k)
-    hidden = linears["o_proj"](layer.attn(q, k, v))
-    hidden, residual = layer.post_attention_norm(hidden, residual)
-    gate_up = linears["gate_up_proj"](hidden)
-    hidden = linears["down_proj"](layer.act_fn(gate_up))
-    return hidden, residual
-
-
-def require_llama_blocks(layers: Sequence[LayerParts], what: str) -> None:
-    """Refuse, naming ``what``, layers whose block is not Llama's (the block is re-run from
-    its parts, so another layout would compute another function)."""
-    odd = [layer.index for layer in layers if not layer.llama_block]
-    if odd:
-        raise ValueError(
-            f"{what} re-runs Llama's decoder block from its parts; layers {odd} have another "
-            "layout (extra norms, query/key norms, sliding window or experts)"
-        )
+def require_recipes(layers: Sequence[LayerParts], what: str) -> None:
+    """Refuse, naming ``what``, layers whose model file gives no block recipe (the block is
+    re-run from its parts, so another layout would compute another function)."""
+    for layer in layers:
+        layer.require_recipe(what)
 
 
 def _map_linear(lin: Any, weight: torch.Tensor) -> None:

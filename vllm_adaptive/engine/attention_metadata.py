@@ -195,6 +195,25 @@ class LayerMetadataSwaps:
             self.md_dict[name] = md
             self.slot_dict[name] = md.slot_mapping
 
+    @contextmanager
+    def installed_between(self, md: Any, start: int, stop: int) -> Iterator[None]:
+        """Use ``md`` for layers ``start .. stop - 1`` inside the block, then put back what
+        they had (ARLA's accelerated stream runs an interval with its own metadata)."""
+        names = self.layer_names[start:stop]
+        saved = [(self.md_dict[n], self.slot_dict.get(n)) for n in names]
+        for n in names:
+            self.md_dict[n] = md
+            self.slot_dict[n] = md.slot_mapping
+        try:
+            yield
+        finally:
+            for n, (m, s) in zip(names, saved, strict=True):
+                self.md_dict[n] = m
+                if s is None:
+                    self.slot_dict.pop(n, None)
+                else:
+                    self.slot_dict[n] = s
+
 
 # -- this step --------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ What runs here, through vLLM's own Gemma 3 modules (inherited, not copied):
 
 Everything else is refused when the engine starts (:func:`check_gemma3_supported`), with the
 key and the reason: the depth runtime and the low-bit and M2R2 drafts re-run Llama's block from
-its parts (Gemma's layers are not ``llama_block``), assume its plain final RMSNorm and a single
+its parts (Gemma's layers have no block recipe), assume its plain final RMSNorm and a single
 KV cache group.
 """
 
@@ -30,6 +30,7 @@ from dataclasses import replace
 from torch import nn
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
+from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.engine.vllm_api import Gemma3ForCausalLM, VllmConfig
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
 from vllm_adaptive.models.interface import LayerParts, ModelParts
@@ -40,17 +41,8 @@ _DEPTH_REASON = (
     "interleaves sliding-window and global attention layers, which vLLM keeps in separate KV "
     "cache groups with their own block tables (depth-peeling slices one), its final norm is "
     "(1 + w) * RMSNorm (the calibrated readouts assume a plain RMSNorm weight), and the "
-    "{strategy!r} KV strategy"
+    "{strategy!r} KV strategy {needs}"
 )
-_STRATEGY_REASON = {
-    "monotone": " needs only peeling, which the two points above already rule out",
-    "mask": " masks slots in the plugin's attention backend, which has no sliding window",
-    "propagate": " recomputes K/V from exit states through Llama's attention (Gemma 3 also "
-    "normalises queries and keys)",
-    "recompute": " resumes exited tokens through Llama's block (Gemma 3 has four norms per block)",
-    "river": " runs packed copies of Llama's block (Gemma 3 has four norms per block and "
-    "query/key norms)",
-}
 
 
 def first_global_layer(layer_types: Sequence[str]) -> int:
@@ -71,9 +63,8 @@ def check_gemma3_supported(
     """
     depth = adaptive.active_depth
     if depth is not None:
-        raise AdaptiveConfigError(
-            _DEPTH_REASON.format(strategy=depth.kv_strategy) + _STRATEGY_REASON[depth.kv_strategy]
-        )
+        needs = kv_strategy_class(depth.kv_strategy).model_needs
+        raise AdaptiveConfigError(_DEPTH_REASON.format(strategy=depth.kv_strategy, needs=needs))
     spec = adaptive.active_speculative
     if spec is None:
         return

@@ -10,8 +10,11 @@ in (``llama.py``, ``gemma3.py``, ``moefied_llama.py``).
 
 What a part may be called with is vLLM's own contract for that module (norms take ``(x)`` or
 ``(x, residual)``, linears return ``(y, bias)``, the rotary embedding ``(positions, q, k)``);
-the interface only says where the module is. Parts an architecture lacks are ``None``; a
-mechanism that re-implements a block checks :attr:`LayerParts.llama_block` first.
+the interface only says where the module is. Parts an architecture lacks are ``None``. A
+mechanism that runs a block with something changed (other linears, adapter deltas, only its K/V)
+asks the layer's :attr:`LayerParts.recipe`, which the architecture's model file defines once
+(``llama.py``: :class:`~vllm_adaptive.models.llama.LlamaBlockRecipe`); a layer without one
+cannot run those mechanisms.
 
 Imported by mechanisms only under ``TYPE_CHECKING`` (``models/`` imports the mechanisms), so
 it holds no behaviour a mechanism must import.
@@ -31,6 +34,47 @@ from vllm_adaptive.config import LAYER_MODULES
 #: The managed linears of a layer by vLLM's fused module name, the names
 #: ``adaptive.precision.modules`` uses (its ``lm_head`` is :attr:`ModelParts.head`).
 LINEAR_NAMES: tuple[str, ...] = LAYER_MODULES
+
+
+class BlockDeltas(Protocol):
+    """Additive corrections inside a block (M2R2's adapters): to the queries from the block's
+    normed input, to the attention output projection, to the MLP output."""
+
+    def q(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def o(self, attn_out: torch.Tensor) -> torch.Tensor: ...
+
+    def mlp(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
+class BlockRecipe(Protocol):
+    """An architecture's decoder block computed from a layer's parts, with what the mechanisms
+    change in it; defined once per architecture, in its model file."""
+
+    name: str
+
+    def run_with(
+        self,
+        layer: LayerParts,
+        linears: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block with its managed linears replaced by ``linears`` (name -> ``x -> y``)."""
+        ...
+
+    def run_accelerated(
+        self, layer: LayerParts, deltas: BlockDeltas, positions: torch.Tensor, p: torch.Tensor
+    ) -> torch.Tensor:
+        """The block on an unfused residual stream ``p`` with ``deltas`` added."""
+        ...
+
+    def kv_from_state(
+        self, layer: LayerParts, state: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V this layer would write for residual stream ``state`` at ``positions``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -58,6 +102,9 @@ class LayerParts:
     experts: nn.Module | None = None  # MoEfied: the routed experts that replace the MLP
     #: ``block`` compiled for any token count (``models/compiled_blocks.py``); None: eager
     compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: the block from these parts with something changed; None: this layer cannot (see
+    #: :class:`BlockRecipe`)
+    recipe: BlockRecipe | None = None
 
     def run_block(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -66,20 +113,15 @@ class LayerParts:
         fn = self.compiled if self.compiled is not None else self.block
         return fn(positions, hidden, residual)
 
-    @property
-    def llama_block(self) -> bool:
-        """Llama's block: two norms, no query/key norms, a dense gate_up/down MLP, global
-        attention. Mechanisms that run a block from its parts hold only on this layout."""
-        return (
-            self.pre_feedforward_norm is None
-            and self.post_feedforward_norm is None
-            and self.q_norm is None
-            and self.k_norm is None
-            and self.sliding_window is None
-            and self.experts is None
-            and self.act_fn is not None
-            and all(n in self.linears for n in LINEAR_NAMES)
-        )
+    def require_recipe(self, what: str) -> BlockRecipe:
+        """The layer's recipe, or an error naming ``what`` needs one."""
+        if self.recipe is None:
+            raise ValueError(
+                f"{what} runs the decoder block from its parts; layer {self.index} has no block "
+                "recipe in its model file (extra norms, query/key norms, sliding window or "
+                "experts)"
+            )
+        return self.recipe
 
     def linear(self, name: str) -> nn.Module:
         """The managed linear ``name``; a clear error where this layer has none."""

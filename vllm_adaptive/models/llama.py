@@ -12,6 +12,7 @@ every mechanism off the output is token-for-token stock vLLM's (tests/engine/tes
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from itertools import islice
 
 import torch
@@ -33,7 +34,7 @@ from vllm_adaptive.engine.vllm_api import (
     ignore_torch_compile,
 )
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
-from vllm_adaptive.models.interface import LayerParts, ModelParts
+from vllm_adaptive.models.interface import BlockDeltas, LayerParts, ModelParts
 
 
 def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -> None:
@@ -263,10 +264,68 @@ def load_engine_fusion(depth, model_dir: str, num_layers: int):
     return EngineFusion(prof, num_layers)
 
 
+class LlamaBlockRecipe:
+    """Llama's decoder block (vLLM's ``LlamaDecoderLayer.forward``) from a layer's parts, for
+    the mechanisms that run it with something changed: other linears (the Exit River's reduced
+    copies, the low-bit draft), M2R2's adapter deltas on an unfused residual stream (ARLA's
+    accelerated stream, the M2R2 draft), or only the K/V of a residual state (state
+    propagation). Norms, rotary and attention are the layer's own."""
+
+    name = "llama"
+
+    def run_with(
+        self,
+        layer: LayerParts,
+        linears: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = layer.input_norm(hidden)
+        else:
+            hidden, residual = layer.input_norm(hidden, residual)
+        q, k, v = layer.split_qkv(linears["qkv_proj"](hidden))
+        q, k = layer.rotary(positions, q, k)
+        hidden = linears["o_proj"](layer.attn(q, k, v))
+        hidden, residual = layer.post_attention_norm(hidden, residual)
+        gate_up = linears["gate_up_proj"](hidden)
+        hidden = linears["down_proj"](layer.act_fn(gate_up))
+        return hidden, residual
+
+    def run_accelerated(
+        self, layer: LayerParts, deltas: BlockDeltas, positions: torch.Tensor, p: torch.Tensor
+    ) -> torch.Tensor:
+        x = layer.input_norm(p)
+        qkv, _ = layer.linear("qkv_proj")(x)
+        q, k, v = layer.split_qkv(qkv)
+        q = q + deltas.q(x)
+        q, k = layer.rotary(positions, q, k)
+        a = layer.attn(q, k, v)
+        o, _ = layer.linear("o_proj")(a)
+        p = p + o + deltas.o(a)
+        y = layer.post_attention_norm(p)
+        return p + layer.mlp(y) + deltas.mlp(y)
+
+    def kv_from_state(
+        self, layer: LayerParts, state: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = layer.input_norm(state)
+        qkv, _ = layer.linear("qkv_proj")(x)
+        q, k, v = layer.split_qkv(qkv)
+        _, k = layer.rotary(positions, q, k)
+        return k, v
+
+
+LLAMA_BLOCK = LlamaBlockRecipe()
+
+
 def llama_layer_parts(index: int, layer: nn.Module, dense_mlp: bool = True) -> LayerParts:
     """The parts of vLLM's ``LlamaDecoderLayer`` (``dense_mlp`` False: its MLP is not
     ``gate_up_proj``/``down_proj``, as in the MoEfied model, which names its experts itself)."""
     attn = layer.self_attn
+    window = getattr(attn.attn, "sliding_window", None)
     linears = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
     if dense_mlp:
         linears |= {"gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
@@ -283,7 +342,8 @@ def llama_layer_parts(index: int, layer: nn.Module, dense_mlp: bool = True) -> L
         linears=linears,
         mlp=layer.mlp,
         act_fn=layer.mlp.act_fn if dense_mlp else None,
-        sliding_window=getattr(attn.attn, "sliding_window", None),
+        sliding_window=window,
+        recipe=LLAMA_BLOCK if dense_mlp and window is None else None,
     )
 
 

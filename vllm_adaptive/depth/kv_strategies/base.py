@@ -49,6 +49,8 @@ class KvStrategy:
     supports_accelerated_stream: ClassVar[bool] = True
     stores_exit_states: ClassVar[bool] = False
     fills_every_layer: ClassVar[bool] = False
+    #: what the strategy needs of the model beyond depth-peeling, for refusals that name it
+    model_needs: ClassVar[str] = "needs only depth-peeling"
 
     @classmethod
     def from_config(cls, depth_config: Any) -> KvStrategy:

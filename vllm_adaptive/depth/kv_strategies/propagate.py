@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class PropagateStrategy(KvStrategy):
     name = "propagate"
     fills_every_layer = True
+    model_needs = "recomputes K/V from exit states through the block recipe's attention"
 
     def exited(
         self,

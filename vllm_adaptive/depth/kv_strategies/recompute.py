@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 class RecomputeStrategy(KvStrategy):
     name = "recompute"
+    model_needs = "resumes exited tokens through the model's own blocks"
     stores_exit_states = True
 
     def plan_decode(

@@ -24,6 +24,7 @@ class RiverStrategy(KvStrategy):
     name = "river"
     supports_accelerated_stream = False
     fills_every_layer = True
+    model_needs = "runs reduced copies of the block through its recipe"
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings  # the config's river_settings

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from vllm_adaptive.config import SpeculativeConfig
-from vllm_adaptive.depth.exit_river import ExitRiver, block_forward
+from vllm_adaptive.depth.exit_river import ExitRiver
 from vllm_adaptive.speculative.drafts.head import DraftHead
 
 logger = logging.getLogger("vllm.adaptive.speculative")
@@ -52,7 +52,7 @@ class LowBitDraft:
         hidden = self.embed(token_ids)
         residual = None
         for layer, linears in self.blocks:
-            hidden, residual = block_forward(layer, linears, positions, hidden, residual)
+            hidden, residual = layer.recipe.run_with(layer, linears, positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -16,7 +16,7 @@ import torch
 
 from vllm_adaptive.config import SpeculativeConfig
 from vllm_adaptive.depth.accelerated import accelerated_block
-from vllm_adaptive.depth.exit_river import require_llama_blocks
+from vllm_adaptive.depth.exit_river import require_recipes
 from vllm_adaptive.m2r2.adapters import M2R2Adapters
 from vllm_adaptive.speculative.drafts.head import DraftHead
 
@@ -42,7 +42,7 @@ class M2R2Draft:
         self.head = DraftHead(model, settings.head_precision)
         self.name = f"m2r2-k{cfg.k}-r{cfg.rank}"
         self.meta = meta
-        require_llama_blocks(parts.layers[: self.depth], "the M2R2 draft")
+        require_recipes(parts.layers[: self.depth], "the M2R2 draft")
         self.embed = parts.embed
         self.layers = list(parts.layers[: self.depth])
         self.norm = parts.final_norm
