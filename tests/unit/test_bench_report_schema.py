@@ -83,10 +83,10 @@ def _results() -> dict[str, Any]:
 
 
 def test_result_schema(monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm_adaptive.bench.harness as harness
+    import vllm_adaptive.bench.summary as summary
 
     monkeypatch.setattr(
-        harness, "checkpoint_weight_bytes", lambda d, b: {"weight_bytes_per_step": 2.2e8}
+        summary, "checkpoint_weight_bytes", lambda d, b: {"weight_bytes_per_step": 2.2e8}
     )
     res = json.loads(json.dumps(_results()))
     base, run, peer = res["baseline"], res["runs"][0], res["peers"][0]
@@ -120,10 +120,10 @@ def test_result_schema(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_table_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm_adaptive.bench.harness as harness
+    import vllm_adaptive.bench.summary as summary
 
     monkeypatch.setattr(
-        harness, "checkpoint_weight_bytes", lambda d, b: {"weight_bytes_per_step": 2.2e8}
+        summary, "checkpoint_weight_bytes", lambda d, b: {"weight_bytes_per_step": 2.2e8}
     )
     res = json.loads(json.dumps(_results()))
     md = depth_table_markdown(res)
