@@ -409,3 +409,28 @@ def test_checker_finds_vllm_outside_the_glue_and_glue_reaching_up(tmp_path):
         "pkg.engine.glue -> pkg.cfg -> pkg.depth.runtime: pkg.depth.runtime"
     ]
     assert reachable_violations(graph, "pkg.engine.api", ("pkg.depth",)) == []
+
+
+def test_only_attention_metadata_touches_the_forward_context() -> None:
+    """vLLM's forward context (the step's attention metadata) is read and installed in one
+    module; the model classes pass what a mechanism needs down as arguments."""
+    names = ("get_forward_context", "set_forward_context", "is_forward_context_available")
+    owner = ROOT / "engine" / "attention_metadata.py"
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == owner:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            used = (isinstance(node, ast.Name) and node.id in names) or (
+                isinstance(node, ast.Attribute) and node.attr in names
+            )
+            if isinstance(node, ast.ImportFrom) and node.module == "vllm.forward_context":
+                used = True
+            if isinstance(node, ast.alias) and node.name in names:
+                used = True
+            if used:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{getattr(node, 'lineno', '?')}")
+    assert not bad, "the forward context outside engine/attention_metadata.py:\n  " + "\n  ".join(
+        bad
+    )
