@@ -235,8 +235,20 @@ def markdown(offline: dict[str, Any]) -> str:
 def plot_axis(ax: Any, offline: dict[str, Any]) -> None:
     """Offline output tok/s per configuration on ``ax`` (stock grey)."""
     rows = [r for r in offline["servers"] if r["label"] in offline["summary"]["servers"]]
-    vals = [offline["summary"]["servers"][r["label"]]["output_throughput"] for r in rows]
-    ax.barh(range(len(rows)), vals, color=["#888888" if r["stock"] else "#2ca02c" for r in rows])
+    summ = offline["summary"]["servers"]
+    vals = [summ[r["label"]]["output_throughput"] for r in rows]
+    err = [
+        [
+            v - summ[r["label"]]["output_throughput_range"][0]
+            for r, v in zip(rows, vals, strict=True)
+        ],
+        [
+            summ[r["label"]]["output_throughput_range"][1] - v
+            for r, v in zip(rows, vals, strict=True)
+        ],
+    ]
+    colors = ["#888888" if r["stock"] else "#2ca02c" for r in rows]
+    ax.barh(range(len(rows)), vals, color=colors, xerr=err)
     ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_title(f"offline, {offline['num_prompts']} prompts at once")

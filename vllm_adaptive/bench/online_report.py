@@ -169,6 +169,18 @@ def _online_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _range_err(
+    summ: dict[str, Any], labels: list[str], c: str, vals: list[float]
+) -> list[list[float]]:
+    """Error bars from each median to its rounds' minimum and maximum."""
+    lo, hi = [], []
+    for lb, v in zip(labels, vals, strict=True):
+        r = summ[lb].get(c, {}).get("output_throughput_range", [v, v])
+        lo.append(max(v - r[0], 0.0))
+        hi.append(max(r[1] - v, 0.0))
+    return [lo, hi]
+
+
 def plot(report: dict[str, Any], out: Path) -> None:
     import matplotlib
 
@@ -188,11 +200,11 @@ def plot(report: dict[str, Any], out: Path) -> None:
     for ax, c in zip(axes[0], cs, strict=False):
         vals = [summ[lb].get(c, {}).get("output_throughput", 0.0) for lb in labels]
         colors = ["#888888" if s["stock"] else "#1f77b4" for s in report["servers"]]
-        ax.barh(range(len(labels)), vals, color=colors)
+        ax.barh(range(len(labels)), vals, color=colors, xerr=_range_err(summ, labels, c, vals))
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_title(f"{c} concurrent request(s)")
-        ax.set_xlabel("output tok/s (vllm bench serve)")
+        ax.set_xlabel("output tok/s (vllm bench serve; bars: rounds' range)")
     cpu = report["env"]["cpu"]
     fig.suptitle(f"vllm serve on {cpu['model']} ({', '.join(cpu['key_flags'])})", fontsize=9)
     fig.tight_layout()
