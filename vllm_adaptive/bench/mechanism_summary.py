@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vllm_adaptive.depth.stats import DecodeDepthStats
 from vllm_adaptive.flops import DenseShape
 
 
@@ -99,10 +100,10 @@ def depth_summary(
         depths = [d for r in records for d in r["depths"][1:]]  # decode tokens only
         if not depths:
             return None
-        hist: dict[str, int] = {}
-        for d in depths:
-            hist[str(d)] = hist.get(str(d), 0) + 1
-        mean = sum(depths) / len(depths)
+        counted = DecodeDepthStats()
+        counted.observe(depths)
+        hist = counted.summary()["exit_tokens"]
+        mean = counted.layers_executed / counted.decode_tokens
         flops = (
             mean * per_layer
             + (L - mean) * after_exit

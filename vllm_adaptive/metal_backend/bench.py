@@ -41,6 +41,7 @@ from vllm_adaptive.bench.metrics import (
 from vllm_adaptive.bench.report import ppl_change_text
 from vllm_adaptive.config import load_config_arg, parse_adaptive_config
 from vllm_adaptive.corpora import CorpusFile, read_corpus, token_windows
+from vllm_adaptive.depth.stats import DecodeDepthStats
 from vllm_adaptive.flops import BYTES_PER_PARAM, DenseShape
 from vllm_adaptive.metal_backend.support import check_supported
 
@@ -245,10 +246,10 @@ def depth_summary(raw: dict[str, Any]) -> dict[str, Any]:
         depths = [d for r in recs for d in r["depths"][1:]]  # decode tokens only
         if not depths:
             return None
-        hist: dict[str, int] = {}
-        for d in depths:
-            hist[str(d)] = hist.get(str(d), 0) + 1
-        mean = sum(depths) / len(depths)
+        counted = DecodeDepthStats()
+        counted.observe(depths)
+        hist = counted.summary()["exit_tokens"]
+        mean = counted.layers_executed / counted.decode_tokens
         return {
             "tokens": len(depths),
             "mean_depth": mean,
