@@ -101,7 +101,8 @@ def check_gemma3_supported(
 
 def gemma3_layer_parts(index: int, layer: nn.Module) -> LayerParts:
     """The parts of vLLM's ``Gemma3DecoderLayer``: Llama's (vLLM names them alike) plus the
-    feed-forward norms, the query/key norms and the layer's own sliding window."""
+    feed-forward norms, the query/key norms and the layer's own sliding window. No block
+    recipe: Gemma's block is not Llama's, and none is written for it yet."""
     attn = layer.self_attn
     return replace(
         llama_layer_parts(index, layer),
@@ -109,6 +110,7 @@ def gemma3_layer_parts(index: int, layer: nn.Module) -> LayerParts:
         post_feedforward_norm=layer.post_feedforward_layernorm,
         q_norm=attn.q_norm,
         k_norm=attn.k_norm,
+        recipe=None,
     )
 
 
