@@ -52,6 +52,17 @@ def _bind_engine_threads() -> None:
 
 _bind_engine_threads()
 
+
+def _provide_kernel_ops() -> None:
+    """Kernels tested without an engine call vLLM's CPU ops as an engine's would: vLLM runs the
+    plugin's `register()` (which provides them) in engine processes, not in pytest's."""
+    from vllm_adaptive.engine.kernel_ops import provide
+
+    provide()  # loads nothing now; a kernel that asks gets None where vLLM is absent
+
+
+_provide_kernel_ops()
+
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "engine", "server", "slow")
 

@@ -94,7 +94,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_kernels_measure(args: argparse.Namespace) -> int:
-    from vllm_adaptive.kernels.measure import run_from_args
+    from vllm_adaptive.bench.kernels_measure import run_from_args
 
     return run_from_args(args)
 

@@ -140,16 +140,16 @@ def reset_nan_outputs(model: Any) -> None:
 def stop_publishing_mask(model: Any) -> None:
     """Negative control for the mask strategy: attention no longer learns which cached slots
     are masked, so it reads the poisoned ones."""
-    import vllm_adaptive.depth.kv_strategies.base as base  # where the layer loop publishes it
+    import vllm_adaptive.depth.runtime as runtime  # where the layer loop publishes it
 
-    base._saved_publish = base.publish_mask
-    base.publish_mask = lambda mask: base._saved_publish(None)
+    runtime._saved_publish = runtime.publish_mask
+    runtime.publish_mask = lambda mask: runtime._saved_publish(None)
 
 
 def restore_publishing_mask(model: Any) -> None:
-    import vllm_adaptive.depth.kv_strategies.base as base
+    import vllm_adaptive.depth.runtime as runtime
 
-    base.publish_mask = base._saved_publish
+    runtime.publish_mask = runtime._saved_publish
 
 
 def reset_audit_violations(model: Any) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,15 +145,14 @@ def test_runtime_refuses_arla_with_river_and_bad_gates(tmp_path: Path) -> None:
     model = _fake_model(tmp_path / "m")
     prof = _fake_profile(tmp_path / "p", model, [1, 3, 5])
     adapter = _adapter(model, tmp_path / "a")
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(model)))
     signal = {"policy": "arla", "arla": {"adapter": str(adapter)}}
 
     river = DepthConfig.model_validate({"profile": "p", "signal": signal, "kv_strategy": "river"})
     with pytest.raises(ValueError, match='"arla" cannot run with adaptive.depth.kv_strategy'):
-        DepthRuntime(None, river, prof, vllm_config)
+        DepthRuntime(None, river, prof, None, str(model), torch.float32)
     mono = DepthConfig.model_validate({"profile": "p", "signal": signal})
     with pytest.raises(ValueError, match=r"gates \[2, 4\] of \[2, 4\] are not probe layers"):
-        DepthRuntime(None, mono, prof, vllm_config)
+        DepthRuntime(None, mono, prof, None, str(model), torch.float32)
 
 
 # -- the policy on hand-made states -----------------------------------------------------------

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from vllm_adaptive import batch_mirror
+from vllm_adaptive.batch_mirror import admit
 from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests
-from vllm_adaptive.engine import batch_mirror
-from vllm_adaptive.engine.batch_mirror import admit
 from vllm_adaptive.overrides import RequestOverrideError
 
 

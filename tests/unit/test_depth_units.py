@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_adaptive.batch_mirror import SlotMirror
+from vllm_adaptive.depth.attention_port import token_index
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.schedule import DepthSchedule
-from vllm_adaptive.engine.attention_metadata import token_index
-from vllm_adaptive.engine.batch_mirror import SlotMirror
 
 READOUT = (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
 

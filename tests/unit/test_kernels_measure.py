@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive.kernels.measure import (
+from vllm_adaptive.bench.kernels_measure import (
     dense_bf16_kernels,
     markdown,
     reduced_bf16_kernels,

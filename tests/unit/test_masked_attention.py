@@ -26,11 +26,11 @@ import torch
 
 from tests.support.masked_attention_cases import TOL, dense_reference, make_case, rel_err
 from tests.support.triton_masked_interp_cases import SPECIAL, cases
+from vllm_adaptive.attention.stock_cpu import stock_cpu_attention
 from vllm_adaptive.kernels.masked_paged_attention import (
     logical_kv,
     masked_paged_attention,
     split_cpu_kv_cache,
-    stock_cpu_attention,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -231,8 +231,8 @@ def test_all_visible_matches_vllm_cpu_attention(dtype, shape, batch):
     case = make_case(11, dtype=dtype, heads=h, kv_heads=kvh, head_size=hs, block_size=bs,
                      query_lens=q_lens, ctx_lens=ctx, record_mode="full", poison=False)  # fmt: skip
     ours = _run(case)
+    from vllm_adaptive.attention.stock_cpu import stock_cpu_scheduler_metadata
     from vllm_adaptive.engine.vllm_api import cpu_attn_isa
-    from vllm_adaptive.kernels.masked_paged_attention import stock_cpu_scheduler_metadata
 
     # The case's cache is in the 'vec' layout; on AMX CPUs vLLM would pick 'amx' for bf16 (its
     # own K packing, which the masked backend refuses by name): run vLLM's 'vec' kernel there.

@@ -179,7 +179,7 @@ def test_controller_mirrors_the_persistent_batch(tmp_path, monkeypatch) -> None:
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor.interface import MoveDirectionality
 
-    from vllm_adaptive.engine.batch_mirror import admit
+    from vllm_adaptive.batch_mirror import admit
     from vllm_adaptive.telemetry_exchange import STATS_DIR_ENV, read_request_records
 
     monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))  # finished requests' records go there

@@ -43,11 +43,10 @@ from pathlib import Path
 
 import torch
 
+from vllm_adaptive.attention.stock_cpu import stock_cpu_attention, stock_cpu_scheduler_metadata
 from vllm_adaptive.kernels.masked_paged_attention import (
     masked_paged_attention,
     split_cpu_kv_cache,
-    stock_cpu_attention,
-    stock_cpu_scheduler_metadata,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

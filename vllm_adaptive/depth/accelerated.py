@@ -13,7 +13,7 @@ layer modules, for the decode rows that are exit candidates at E_j:
   attention output and parallel to the MLP (`vllm_adaptive.m2r2.adapters`), one query token
   per row at its own position.
 * **Shared KV cache (A.1.4).** Attention reads the paged cache through one-token CPU attention
-  metadata for the rows (`engine/attention_metadata.one_token_cpu_metadata`): earlier positions hold
+  metadata for the rows (`StepAttention.one_token`): earlier positions hold
   the slow stream's K/V, and the token's own K/V, computed from p, are written into the token's own
   slot at that layer before it is read: ``MHA(p_t, h_<t (+) p_t)``.
 
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_adaptive.engine.attention_metadata import CpuSchedulerArgs, one_token_cpu_metadata
+from vllm_adaptive.depth.attention_port import LayerSwaps, StepAttention
 from vllm_adaptive.m2r2.adapters import M2R2Adapters
 
 if TYPE_CHECKING:
@@ -119,9 +119,9 @@ class AcceleratedStream:
     def run(
         self,
         layers: Sequence[LayerParts],
-        ctx: Any,
+        swaps: LayerSwaps,
         md: Any,
-        sched_args: CpuSchedulerArgs,
+        attention: StepAttention,
         gate_index: int,
         rows: torch.Tensor,
         positions: torch.Tensor,
@@ -130,13 +130,13 @@ class AcceleratedStream:
     ) -> AcceleratedStash:
         """Interval ``gate_index`` for step rows ``rows`` (ascending) of the step's metadata
         ``md``, one token each at ``positions`` with KV slots ``slots``, from the slow stream
-        ``stream`` [n, d]. ``ctx`` is the step's `LayerMetadataSwaps`: the one-token metadata is
+        ``stream`` [n, d]. ``swaps`` holds the step's per-layer metadata: the one-token metadata is
         installed for the interval's layers and what was there is put back afterwards."""
         start, stop = self.intervals[gate_index]
-        sub = one_token_cpu_metadata(md, rows, positions + 1, slots, sched_args)
+        sub = attention.one_token(md, rows, positions + 1, slots)
         p = stream
         states = [p]
-        with ctx.installed_between(sub, start, stop):
+        with swaps.installed_between(sub, start, stop):
             for i in range(start, stop):
                 p = accelerated_block(layers[i], self.adapters, i, positions, p)
                 states.append(p)

@@ -9,13 +9,16 @@ the backbone would have used. The depth record then says those layers are writte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_adaptive.depth.record import SlotDepthRecord
-from vllm_adaptive.engine.attention_metadata import write_layer_kv
+
+#: writes K/V ``[n, kv_heads, head_size]`` into an attention layer's paged cache at slots
+#: (`attention_port.StepAttention.write_kv`)
+WriteKv = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import LayerParts
@@ -39,6 +42,7 @@ def propagate_kv(
     positions: torch.Tensor,
     have: torch.Tensor,
     target_depth: int,
+    write_kv: WriteKv,
 ) -> int:
     """Write K/V of layers ``have[i] .. target_depth-1`` for token i from its exit state
     ``states[i]`` (the residual stream it stopped with) into its cache slot ``slots[i]``.
@@ -57,7 +61,7 @@ def propagate_kv(
         attn = layer.attn
         k = k.reshape(-1, attn.num_kv_heads, attn.head_size)
         v = v.reshape(-1, attn.num_kv_heads, attn.head_size)
-        write_layer_kv(attn, k, v, slots[sel])
+        write_kv(attn, k, v, slots[sel])
         written += int(sel.sum())
     return written
 
@@ -70,6 +74,7 @@ def backfill(
     slots: torch.Tensor,
     positions: torch.Tensor,
     target_depth: int,
+    write_kv: WriteKv,
 ) -> int:
     """Give ``slots`` (holding tokens at ``positions``) K/V up to ``target_depth`` layers.
 
@@ -81,6 +86,6 @@ def backfill(
         return 0
     slots, positions, have = slots[need], positions[need], have[need]
     states = store.state[slots.long()]
-    written = propagate_kv(layers, states, slots, positions, have, target_depth)
+    written = propagate_kv(layers, states, slots, positions, have, target_depth, write_kv)
     record.write(slots, target_depth)
     return written

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_adaptive.engine.batch_mirror import SlotMirror
+from vllm_adaptive.batch_mirror import SlotMirror
 from vllm_adaptive.overrides import RequestOverrides
 
 logger = logging.getLogger("vllm.adaptive.depth")

@@ -22,67 +22,43 @@ What happens to the K/V of skipped layers is the KV strategy's (`kv_strategies/`
 per `adaptive.depth.kv_strategy`); the runtime calls its hooks at each of these points and
 holds no strategy of its own.
 
-Over 400 lines because the three steps above share one step's state (the plan, the active rows, the
-metadata of the rows still running); the mechanisms they call live in their own modules
-(``engine/attention_metadata``, ``backfill``, ``accelerated``, ``fusion_runtime``,
-``kv_strategies``).
+The runtime asks the engine's attention (`attention_port.StepAttention`, which the model glue
+hands it) for metadata of the rows still running; it imports nothing of vLLM. Which rows stop at
+a probe, and what they emit, is `exit_decisions.ExitDecisions`.
+
+Over 400 lines because the three steps above share one step's state (the plan, the active rows,
+the metadata of the rows still running); the mechanisms they call live in their own modules
+(``exit_decisions``, ``backfill``, ``accelerated``, ``fusion_runtime``, ``kv_strategies``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vllm_adaptive.depth.accelerated import AcceleratedStash, AcceleratedStream
-from vllm_adaptive.depth.backfill import ExitStateStore, backfill
+from vllm_adaptive.depth.attention_port import LayerSwaps, StepAttention, token_index
+from vllm_adaptive.depth.backfill import ExitStateStore
+from vllm_adaptive.depth.counters import EngineCounters
+from vllm_adaptive.depth.exit_decisions import ExitDecisions
 from vllm_adaptive.depth.exit_profile import ExitProfile
 from vllm_adaptive.depth.fusion_runtime import EngineFusion
-from vllm_adaptive.depth.kv_strategies import PlanDraft, build_kv_strategy
-from vllm_adaptive.depth.mask_context import StepMask, current_mask, replace_mask
+from vllm_adaptive.depth.kv_strategies import KvState, PlanDraft, build_kv_strategy
+from vllm_adaptive.depth.mask_context import StepMask, current_mask, publish_mask, replace_mask
 from vllm_adaptive.depth.policies.build import build_exit_signal, load_arla_adapters
-from vllm_adaptive.depth.policies.probe import ProbeBatch
 from vllm_adaptive.depth.record import SlotDepthRecord
 from vllm_adaptive.depth.requests import BudgetThresholds, DepthRequests, exchange
 from vllm_adaptive.depth.schedule import DepthSchedule
-from vllm_adaptive.depth.stats import DecodeDepthStats
 from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
-from vllm_adaptive.engine.attention_metadata import (
-    CpuSchedulerArgs,
-    fused_cpu_metadata,
-    subset_cpu_metadata,
-    token_index,
-)
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts
 
 logger = logging.getLogger("vllm.adaptive.depth")
-
-
-@dataclass
-class EngineCounters(DecodeDepthStats):
-    steps: int = 0
-    prefill_tokens: int = 0
-    capped_prefills: int = 0
-    prefills_with_context: int = 0  # prefill rows attending to earlier slots (chunks, hits)
-    backfilled_kv: int = 0
-    propagated_kv: int = 0  # (token, layer) K/V written from exit states (propagate)
-    river_token_layers: int = 0  # decode token-layers run in the Exit River
-    recomputed_kv: int = 0  # token-layers resumed from exit states (recompute)
-    masked_steps: int = 0  # steps where some cached slot was masked at some layer
-    peels: int = 0
-    accelerated_rows: int = 0  # (decode token, gate interval) accelerated streams computed
-    accelerated_token_layers: int = 0  # decode token-layers run on the accelerated stream
-    arla_exits: int = 0  # decode tokens that exited by ARLA (emitting the accelerated state)
-    decision_seconds: float = 0.0
-    accelerated_seconds: float = 0.0  # the accelerated stream (ARLA), inside the forward
-    peel_seconds: float = 0.0
-    forward_seconds: float = 0.0
 
 
 class DepthRuntime:
@@ -91,13 +67,20 @@ class DepthRuntime:
         parts: ModelParts,
         config: Any,
         profile: ExitProfile,
-        vllm_config: Any,
+        attention: StepAttention,
+        model_dir: str,
+        dtype: torch.dtype,
         unembed: torch.Tensor | None = None,
         fusion: EngineFusion | None = None,
     ) -> None:
+        """``attention``: the engine's attention as the layer loop uses it (the glue's
+        implementation of `attention_port.StepAttention`); ``model_dir`` and ``dtype``: the
+        served model's (ARLA's adapter is checked against the first; exit states kept in the
+        second)."""
         self.config = config
         self.fusion = fusion
         self.profile = profile
+        self.attention = attention
         self.num_layers = profile.num_layers
         self.schedule = DepthSchedule.for_config(
             tuple(profile.readout_layers), config.floor, config.refresh
@@ -120,25 +103,22 @@ class DepthRuntime:
                     f'policy "arla" cannot run with adaptive.depth.kv_strategy "{self.kv.name}": '
                     "its layer loop has no accelerated stream (use another kv_strategy)"
                 )
-            adapters = load_arla_adapters(config.signal, profile, vllm_config.model_config.model)
+            adapters = load_arla_adapters(config.signal, profile, model_dir)
             self.accelerated = AcceleratedStream(adapters)
-        self.signal = build_exit_signal(
-            config.signal, profile, unembed=unembed, arla_adapters=adapters
+        signal = build_exit_signal(config.signal, profile, unembed=unembed, arla_adapters=adapters)
+        self.counters = EngineCounters()
+        self.exits = ExitDecisions(
+            signal,
+            profile,
+            eps=float(parts.final_norm.variance_epsilon),
+            counters=self.counters,
+            emad_only=self.signal_names == ("emad",),
         )
-        self.uses_budget = "emad" in self.signal_names
-        self.emad_only = self.signal_names == ("emad",)
-        self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
-        self.proxy_floor = torch.from_numpy(profile.proxy_floor).float()
-        self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
-        self.eps = float(parts.final_norm.variance_epsilon)
-        self.dtype = vllm_config.model_config.dtype
-        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        self.dtype = dtype
         self.parts = parts
-        self.layer_names = parts.layer_names
         self.record: SlotDepthRecord | None = None
         self.store: ExitStateStore | None = None
-        self.sched_args: CpuSchedulerArgs | None = None
-        self.counters = EngineCounters()
+        self.state: KvState | None = None  # the KV strategies' view, once the KV cache exists
         self._warned: set[str] = set()
 
     # -- requests ------------------------------------------------------------------------------
@@ -154,29 +134,33 @@ class DepthRuntime:
 
     def weights_loaded(self) -> None:
         """The float weights are loaded (the Exit River quantizes its copies from them)."""
-        self.kv.weights_loaded(self, self.parts)
+        self.kv.weights_loaded(self.parts, self.num_layers)
 
     # -- state next to the KV cache ------------------------------------------------------------
     def _ensure_record(self, parts: ModelParts) -> bool:
         if self.record is not None:
             return True
-        attn = parts.layers[0].attn
-        cache = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
-        if cache is None or cache.dim() != 4 or not hasattr(attn, "isa"):
+        geometry = self.attention.bind(parts.layers[0].attn)
+        if geometry is None:
             return False
-        num_blocks, _, block_size, _ = cache.shape
-        device = cache.device
-        self.record = SlotDepthRecord(num_blocks * block_size, block_size, device)
+        device, block_size = geometry.device, geometry.block_size
+        self.record = SlotDepthRecord(geometry.num_slots, block_size, device)
         if self.config.refresh is not None or self.kv.stores_exit_states:
             hidden = parts.hidden_size
-            self.store = ExitStateStore(num_blocks * block_size, hidden, self.dtype, device)
-        self.sched_args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
-        self.norm_a, self.norm_b = self.norm_a.to(device), self.norm_b.to(device)
-        if hasattr(self.signal, "to"):
-            self.signal.to(device)
+            self.store = ExitStateStore(geometry.num_slots, hidden, self.dtype, device)
+        self.exits.to(device)
         if self.accelerated is not None:
             self.accelerated.to(device)
-        self.kv.kv_cache_ready(self, parts)
+        self.state = KvState(
+            num_layers=self.num_layers,
+            record=self.record,
+            store=self.store,
+            counters=self.counters,
+            attention=self.attention,
+            schedule=self.schedule,
+            warn_once=self.warn_once,
+        )
+        self.kv.kv_cache_ready(self.state, parts)
         logger.info(
             "vllm-adaptive depth: record for %d slots (block size %d), signal %s, kv_strategy "
             "%s, budget %.3g (%s), probes %s, floor %s, refresh %s, blocks %s",
@@ -203,8 +187,9 @@ class DepthRuntime:
 
     # -- 1. plan ---------------------------------------------------------------------------------
     def _plan(self, parts: ModelParts, md: Any, positions: torch.Tensor) -> StepPlan:
-        record = self.record
-        assert record is not None
+        kv_state = self.state
+        assert kv_state is not None
+        record = kv_state.record
         qsl = md.query_start_loc.cpu()
         num_reqs = qsl.shape[0] - 1
         counts = (qsl[1:] - qsl[:-1]).tolist()
@@ -230,7 +215,7 @@ class DepthRuntime:
             if state is not None and counts[r] == 1 and p >= state.prompt_len:
                 decode[r] = True
                 t = p - state.prompt_len + 1
-                self.kv.plan_decode(self, parts, draft, r, block_row, p, t)
+                self.kv.plan_decode(kv_state, parts, draft, r, block_row, p, t)
                 floor[r] = self.schedule.floor(t)
                 if not state.off:
                     may_exit[r] = True
@@ -240,9 +225,9 @@ class DepthRuntime:
                 low = record.context_min(block_row, context)
                 if context > 0:
                     self.counters.prefills_with_context += 1
-                self.kv.plan_prefill(self, draft, r, low)
+                self.kv.plan_prefill(kv_state, draft, r, low)
                 floor[r] = cap[r]
-        if self.emad_only:
+        if self.exits.emad_only:
             # a row whose thresholds all lie below the proxy's floor can pass no probe (a
             # budget of 1.0): no candidate work for it at any layer
             may_exit &= (thresholds >= self.profile.proxy_floor).any(axis=1)
@@ -258,24 +243,7 @@ class DepthRuntime:
             resume=draft.resume,
         )
 
-    def _refresh(self, parts: ModelParts, block_row: torch.Tensor, p: int, cap: int) -> int:
-        """Backfill K/V of positions [0, p) up to ``cap`` layers; keep the old cap if the
-        exit states needed are not stored."""
-        record, store = self.record, self.store
-        assert record is not None
-        if store is None:
-            return int(record.read(record.slots(block_row, torch.tensor([p - 1]))).item())
-        pos = torch.arange(p, device=block_row.device)
-        slots = record.slots(block_row, pos)
-        self.counters.backfilled_kv += backfill(parts.layers, record, store, slots, pos, cap)
-        return cap
-
-    # -- 2. peel ---------------------------------------------------------------------------------
-    def _readout(self, p: int, stream: torch.Tensor) -> torch.Tensor:
-        x = stream.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * self.norm_a[p] + self.norm_b[p]
-
+    # -- 2. run the layers -----------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
         self,
@@ -305,63 +273,45 @@ class DepthRuntime:
                 # once fusion has removed rows (members get their layer when they fuse)
                 self.record.write(md.slot_mapping[:n], self.num_layers)
         t_plan = time.perf_counter() - t0
-        out, depth = self.kv.run_layers(self, parts, md, plan, positions, hidden, input_ids)
+        out, depth = self._run_layers(parts, md, plan, positions, hidden, input_ids)
         self._commit(md, plan, depth, positions.shape[0])
         self.counters.decision_seconds += t_plan
         self.counters.forward_seconds += time.perf_counter() - t0
         return out
 
-    def _candidates(self, plan: StepPlan, rows: torch.Tensor, count: int, p: int) -> torch.Tensor:
-        """Rows (of the active ``rows``) that may exit after ``count`` blocks."""
-        cand = plan.may_exit[rows] & (plan.floor[rows] <= count) & (plan.cap[rows] > count)
-        if self.emad_only:
-            cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
-        return cand
-
-    def _decide(
+    def _run_layers(
         self,
-        step: Step,
-        act: ActiveRows,
-        count: int,
-        j: torch.Tensor,
-        prev: torch.Tensor | None,
-        acc: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Exit mask for the candidate rows ``j`` (of ``act``, decode rows: one token each)
-        after ``count`` blocks; ``prev``: the block's input stream when the signal needs it;
-        ``acc``: their accelerated states when ``count`` is an ARLA gate."""
-        p = self.probe_index[count]
-        h, res = act.h, act.res
-        first = act.qsl[j].to(h.device)
-        self.counters.probe_evals += int(j.numel())
-        ids = None
-        if step.input_ids is not None and self.signal.needs_token_ids:
-            ids = step.input_ids[act.tok[first]]
-        batch = ProbeBatch(
-            layer=count,
-            probe=p,
-            stream=h[first] + res[first],
-            prev_stream=None if prev is None else prev[first],
-            token_ids=ids,
-            readout=lambda x, p=p: self._readout(p, x),
-            thresholds=step.plan.thresholds[act.rows[j], p].to(h.device),
-            accelerated=acc,
-        )
-        return self.signal.exit_mask(batch).cpu()
-
-    def _needs_prev(self, count: int) -> bool:
-        return self.signal.needs_prev_stream and (count in self.probe_index)
+        parts: ModelParts,
+        md: Any,
+        plan: StepPlan,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's layer loop: ``(output stream, depth per row)``. Depth-peeling, with the
+        strategy's KV mask published to attention and its ``before_layers`` run first, unless
+        the strategy runs every row through every layer itself."""
+        state = self.state
+        assert state is not None
+        if self.kv.owns_layer_loop:
+            return self.kv.run_layers(
+                state, parts, self.exits, md, plan, positions, hidden, input_ids
+            )
+        mask = self.kv.step_mask(state, plan)
+        with self.attention.layer_swaps() as swaps, publish_mask(mask):
+            self.kv.before_layers(state, parts, swaps, md, plan)
+            return self._peel(parts, swaps, md, plan, positions, hidden, input_ids)
 
     def _accelerate(self, step: Step, act: ActiveRows, block: int) -> AcceleratedStash | None:
         """Before block ``block`` runs: if it starts an ARLA gate interval, the accelerated
         stream of that interval for the active rows that are exit candidates at its gate."""
         accel = self.accelerated
-        assert accel is not None and self.sched_args is not None
+        assert accel is not None
         interval = accel.interval_starting_at(block)
         if interval is None:
             return None
         j_gate, start, gate = interval
-        cand = self._candidates(step.plan, act.rows, gate, self.probe_index[gate])
+        cand = self.exits.candidates(step.plan, act.rows, gate, self.exits.probe_index[gate])
         if not bool(cand.any()):
             return None
         j = torch.nonzero(cand).squeeze(1)
@@ -370,9 +320,9 @@ class DepthRuntime:
         stream = h[first] if res is None else h[first] + res[first]
         stash = accel.run(
             step.parts.layers,
-            step.ctx,
+            step.swaps,
             step.md,
-            self.sched_args,
+            self.attention,
             j_gate,
             act.rows[j],
             act.pos[first],
@@ -383,43 +333,56 @@ class DepthRuntime:
         self.counters.accelerated_token_layers += int(j.numel()) * (gate - start)
         return stash
 
-    def _peel(self, parts, ctx, md, plan: StepPlan, positions, hidden, input_ids=None):
+    def _peel(
+        self,
+        parts: ModelParts,
+        swaps: LayerSwaps,
+        md: Any,
+        plan: StepPlan,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth-peeling: run block by block; after a probe block the rows that stop (at their
+        cap, or by the exit signal) emit their readout and leave, and the rest run on as one
+        smaller batch with metadata for them alone."""
         L = self.num_layers
-        c = self.counters
+        counters, exits, state = self.counters, self.exits, self.state
+        assert state is not None
         num_reqs = plan.cap.shape[0]
         depth = plan.cap.clone()  # final depth per row
         out = torch.empty_like(hidden)
         rows = torch.arange(num_reqs)  # active rows (ascending)
-        cur_qsl = md.query_start_loc.cpu().long()
+        row_starts = md.query_start_loc.cpu().long()  # the active rows' first token in ``h``
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
         # nothing to decide between layers: no row may exit and none stops at a cap
         probing = any_exit or bool((plan.cap < L).any())
-        step = Step(parts, md, plan, input_ids, ctx)
-        cur_md = md  # metadata of the active rows and tokens
-        sf = plan.fusion
-        fusion_layers = set(self.fusion.layers) if sf is not None else set()
+        step = Step(parts, md, plan, input_ids, swaps)
+        active_md = md  # metadata of the active rows and tokens
+        step_fusion = plan.fusion
+        fusion_layers = set(self.fusion.layers) if step_fusion is not None else set()
         fused = False  # queries are no longer contiguous: publish their positions
         stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
         for i, layer in enumerate(parts.layers):
             count = i + 1
             if self.accelerated is not None and any_exit and rows.numel() > 0:
                 t0 = time.perf_counter()
-                act = ActiveRows(rows, cur_qsl, tok, pos, h, res)
+                act = ActiveRows(rows, row_starts, tok, pos, h, res)
                 got = self._accelerate(step, act, i)
                 if got is not None or self.accelerated.interval_starting_at(i) is not None:
                     stash = got  # a new interval: the previous one's states are done
-                c.accelerated_seconds += time.perf_counter() - t0
+                counters.accelerated_seconds += time.perf_counter() - t0
             prev = None
-            if any_exit and self._needs_prev(count):
+            if any_exit and exits.needs_prev(count):
                 prev = h if res is None else h + res  # the block's input stream
             h, res = layer.run_block(pos, h, res)
             if count in fusion_layers and rows.numel() > 0:
                 t1 = time.perf_counter()
                 got = self.fusion.fuse(
-                    sf, count, rows, cur_qsl, tok, pos, h, res, input_ids,
-                    self.record.block_size,
+                    step_fusion, count, rows, row_starts, tok, pos, h, res, input_ids,
+                    state.record.block_size,
                 )  # fmt: skip
                 if got is not None:
                     if not fused:
@@ -427,69 +390,70 @@ class DepthRuntime:
                     fused = True
                     k = got.keep.to(h.device)
                     h, res, pos, tok = got.h, got.res, pos[k], tok[k]
-                    self.fusion.commit(sf, self.record, md.slot_mapping)  # members: layer l
-                    cur_md = fused_cpu_metadata(cur_md, got.counts, got.keep, self.sched_args)
-                    ctx.install(cur_md, count)
-                    cur_qsl = cur_md.query_start_loc.cpu().long()
+                    self.fusion.commit(step_fusion, state.record, md.slot_mapping)  # members
+                    active_md = self.attention.fused(active_md, got.counts, got.keep)
+                    swaps.install(active_md, count)
+                    row_starts = active_md.query_start_loc.cpu().long()
                     self._publish_positions(pos)
-                c.peel_seconds += time.perf_counter() - t1
-            p = self.probe_index.get(count)
+                counters.peel_seconds += time.perf_counter() - t1
+            p = exits.probe(count)
             if p is None or not probing:
                 continue
+            # which active rows stop here: at their cap, or by the exit signal
             t0 = time.perf_counter()
             stop = plan.cap[rows] == count
-            cand = self._candidates(plan, rows, count, p)
-            arla_js = arla_p = None
+            cand = exits.candidates(plan, rows, count, p)
+            arla_rows = arla_states = None
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
                 acc = None
                 if stash is not None and stash.gate == count:
                     acc = stash.states_for(rows[j])
-                act = ActiveRows(rows, cur_qsl, tok, pos, h, res)
-                passed = self._decide(step, act, count, j, prev, acc)
+                act = ActiveRows(rows, row_starts, tok, pos, h, res)
+                passed = exits.decide(step, act, count, j, prev, acc)
                 stop[j] |= passed
                 if acc is not None and bool(passed.any()):
-                    arla_js, arla_p = j[passed], acc[passed.to(acc.device), -1]
-            c.decision_seconds += time.perf_counter() - t0
+                    arla_rows, arla_states = j[passed], acc[passed.to(acc.device), -1]
+            counters.decision_seconds += time.perf_counter() - t0
             if not bool(stop.any()):
                 continue
+            # the stopping rows emit their readout and leave the batch
             t1 = time.perf_counter()
-            js = torch.nonzero(stop).squeeze(1)
-            ts = token_index(cur_qsl, js).to(h.device)
-            stream = h[ts] + res[ts]
-            out[tok[ts]] = self._readout(p, stream).to(out.dtype)
-            if arla_js is not None:
+            stopping = torch.nonzero(stop).squeeze(1)
+            stop_tokens = token_index(row_starts, stopping).to(h.device)
+            stream = h[stop_tokens] + res[stop_tokens]
+            out[tok[stop_tokens]] = exits.readout(p, stream).to(out.dtype)
+            if arla_rows is not None:
                 # ARLA exits emit the accelerated state p_{E_j}, read as the final layer is
-                out[tok[cur_qsl[arla_js].to(h.device)]] = parts.final_norm(arla_p.contiguous()).to(
-                    out.dtype
-                )
-                c.arla_exits += int(arla_js.numel())
-            depth[rows[js]] = count
+                final = parts.final_norm(arla_states.contiguous())
+                out[tok[row_starts[arla_rows].to(h.device)]] = final.to(out.dtype)
+                counters.arla_exits += int(arla_rows.numel())
+            depth[rows[stopping]] = count
+            slots = md.slot_mapping[tok[stop_tokens]]
             if self.store is not None:
-                self.store.write(md.slot_mapping[tok[ts]], stream)
-            self.kv.exited(self, parts, stream, md.slot_mapping[tok[ts]], pos[ts], count)
+                self.store.write(slots, stream)
+            self.kv.exited(state, parts, stream, slots, pos[stop_tokens], count)
             keep = torch.nonzero(~stop).squeeze(1)
             if keep.numel() == 0:
                 rows = keep
-                c.peel_seconds += time.perf_counter() - t1
+                counters.peel_seconds += time.perf_counter() - t1
                 break
-            tk = token_index(cur_qsl, keep).to(h.device)
-            h, res, pos, tok = h[tk], res[tk], pos[tk], tok[tk]
+            keep_tokens = token_index(row_starts, keep).to(h.device)
+            h, res, pos, tok = h[keep_tokens], res[keep_tokens], pos[keep_tokens], tok[keep_tokens]
             rows = rows[keep]
-            sub = subset_cpu_metadata(cur_md, keep.to(md.query_start_loc.device), self.sched_args)
-            ctx.install(sub, i + 1)
-            cur_md = sub
-            cur_qsl = sub.query_start_loc.cpu().long()
+            active_md = self.attention.subset(active_md, keep.to(md.query_start_loc.device))
+            swaps.install(active_md, i + 1)
+            row_starts = active_md.query_start_loc.cpu().long()
             if fused:
                 self._publish_positions(pos)
-            c.peels += 1
-            c.peel_seconds += time.perf_counter() - t1
+            counters.peels += 1
+            counters.peel_seconds += time.perf_counter() - t1
         if rows.numel() > 0:
             final, _ = parts.final_norm(h, res)
             out[tok] = final
             depth[rows] = L
         if fused:
-            self.fusion.alias_outputs(sf, out)
+            self.fusion.alias_outputs(step_fusion, out)
         return out, depth
 
     @staticmethod

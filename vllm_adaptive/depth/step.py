@@ -35,7 +35,7 @@ class Step:
     md: Any  # the step's attention metadata (all rows)
     plan: StepPlan
     input_ids: torch.Tensor | None
-    ctx: Any = None  # the LayerMetadataSwaps of the step (None: metadata never swapped)
+    swaps: Any = None  # the step's `attention_port.LayerSwaps` (None: metadata never swapped)
 
 
 @dataclass

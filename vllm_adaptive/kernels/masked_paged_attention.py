@@ -420,76 +420,6 @@ def masked_paged_attention(
     return out
 
 
-def stock_cpu_scheduler_metadata(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    isa: str | None = None,
-) -> torch.Tensor:
-    """What vLLM's CPU metadata builder computes once per step (causal, no window)."""
-    from vllm_adaptive.engine.vllm_api import cpu_attn_isa
-    from vllm_adaptive.engine.vllm_api import custom_ops as ops
-
-    nb, nkv, bs, hs = key_cache.shape
-    return ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.shape[0],
-        num_heads=query.shape[1],
-        num_kv_heads=nkv,
-        head_dim=hs,
-        seq_lens=seq_lens,
-        dtype=query.dtype,
-        query_start_loc=query_start_loc,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa or cpu_attn_isa(query.dtype, bs, hs),
-        enable_kv_split=False,
-    )
-
-
-def stock_cpu_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    scheduler_metadata: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """vLLM's own CPU attention op (no mask), called the way ``cpu_attn.py`` calls it: causal, no
-    window, ALiBi, soft-cap or sinks, "auto" cache dtype. ``key_cache`` / ``value_cache`` are the
-    chunks of a CPU_ATTN cache (:func:`split_cpu_kv_cache`); index tensors int32. For tests and
-    benchmarks (the all-visible mask must agree with it)."""
-    from vllm_adaptive.engine.vllm_api import custom_ops as ops
-
-    if scheduler_metadata is None:
-        scheduler_metadata = stock_cpu_scheduler_metadata(
-            query, key_cache, query_start_loc, seq_lens
-        )
-    if out is None:
-        out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=out,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        scale=scale,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=block_table,
-        softcap=0.0,
-        scheduler_metadata=scheduler_metadata,
-        s_aux=None,
-    )
-    return out
-
-
 __all__ = [
     "DEFAULT_MAX_ELEMS",
     "LAYOUTS",
@@ -498,6 +428,4 @@ __all__ = [
     "logical_kv",
     "masked_paged_attention",
     "split_cpu_kv_cache",
-    "stock_cpu_attention",
-    "stock_cpu_scheduler_metadata",
 ]

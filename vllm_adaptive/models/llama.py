@@ -21,7 +21,11 @@ from torch import nn
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.kv_strategies import kv_strategy_class
 from vllm_adaptive.depth.runtime import DepthRuntime
-from vllm_adaptive.engine.attention_metadata import attention_skipped, step_attention_metadata
+from vllm_adaptive.engine.attention_metadata import (
+    CpuStepAttention,
+    attention_skipped,
+    step_attention_metadata,
+)
 from vllm_adaptive.engine.vllm_api import (
     CompilationMode,
     CUDAGraphMode,
@@ -140,7 +144,7 @@ class AdaptiveLlamaModel(LlamaModel):
 
         runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
         if runtime is not None and residual is None and not extra_layer_kwargs:
-            md = step_attention_metadata(runtime.layer_names[0])
+            md = step_attention_metadata(runtime.parts.layer_names[0])
             out = runtime.forward(md, positions, hidden, input_ids)
             if out is not None:
                 return out
@@ -233,7 +237,19 @@ def load_depth_runtime(
     if depth.fusion is not None:
         fusion = load_engine_fusion(depth, vllm_config.model_config.model, num_layers)
     try:
-        return DepthRuntime(parts, depth, profile, vllm_config, unembed=unembed, fusion=fusion)
+        attention = CpuStepAttention(
+            parts.layer_names, vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype
+        )
+        return DepthRuntime(
+            parts,
+            depth,
+            profile,
+            attention,
+            model_dir=vllm_config.model_config.model,
+            dtype=vllm_config.model_config.dtype,
+            unembed=unembed,
+            fusion=fusion,
+        )
     except (ProfileError, ValueError) as e:
         raise AdaptiveConfigError(f"adaptive.depth.signal: {e}") from None
 
@@ -370,7 +386,7 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
             vllm_config.compilation_config.mode != CompilationMode.NONE
         )
         if adaptive.active_depth is not None:
-            from vllm_adaptive.engine.batch_mirror import register_listener
+            from vllm_adaptive.batch_mirror import register_listener
 
             parts = self.adaptive_parts()
             self.depth = load_depth_runtime(

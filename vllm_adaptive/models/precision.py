@@ -13,12 +13,14 @@ import numpy as np
 import torch
 
 from vllm_adaptive.artifacts import ProfileError
+from vllm_adaptive.batch_mirror import register_listener
 from vllm_adaptive.config import AdaptiveConfigError
 from vllm_adaptive.kernels.float_linear import smoothing_factors
 from vllm_adaptive.kernels.packed import coarse_grid_fraction
-from vllm_adaptive.precision.controller import PrecisionController, register
+from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
+from vllm_adaptive.precision.controller import PrecisionController
 from vllm_adaptive.precision.entropy import entropy_bits
-from vllm_adaptive.precision.linear import GearedLinear, GearedLinearMethod
+from vllm_adaptive.precision.linear import GearedLinear
 from vllm_adaptive.precision.policies import build_policy
 from vllm_adaptive.precision.smoothing import load_smoothing
 from vllm_adaptive.precision.tiers import LinearTiers
@@ -59,7 +61,9 @@ def install_precision(
     policy = build_policy(cfg, parts.vocab_size)
     linears = parts.managed_linears(cfg.modules)
     maps: list[tuple[str, ...]] = []
-    controller = PrecisionController(cfg, policy, maps, tokenizer_path)
+    controller = PrecisionController(
+        cfg, policy, maps, tokenizer_path, exports_telemetry=_is_first_rank()
+    )
     layout = cfg.effective_tiers
     t0 = time.perf_counter()
     # the first managed weight (the head's when "modules" names it alone)
@@ -101,7 +105,7 @@ def install_precision(
 
     autotune.table().save()
     controller.geared = geared
-    register(controller)
+    register_listener("precision", controller)  # fed each step's batch changes
     logger.info(
         "vllm-adaptive: %d linears geared (%s tiers, %s routing, policy %s%s) in %.1f s; "
         "resident packed bytes per precision: %s; kernels: %s",
@@ -143,3 +147,13 @@ def factors_for(
             f"the weight has {weight.shape[1]}"
         )
     return smoothing_factors(a, weight, alpha)
+
+
+def _is_first_rank() -> bool:
+    """Readers sum the files of all engine processes: only one rank of an engine writes."""
+    try:
+        from vllm_adaptive.engine.vllm_api import get_pp_group, get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
+    except Exception:  # no distributed state (a unit test): a single process
+        return True

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_adaptive.engine.batch_mirror import SlotMirror, listener, register_listener
+from vllm_adaptive.batch_mirror import SlotMirror
 from vllm_adaptive.gears import HIGH, LEVEL_NAMES
 from vllm_adaptive.overrides import RequestOverrides
 from vllm_adaptive.precision.entropy import entropy_bits
@@ -87,7 +87,10 @@ class PrecisionController:
         policy: GearPolicy,
         layer_maps: list[tuple[str, ...]],
         tokenizer_path: str | None,
+        exports_telemetry: bool = True,
     ) -> None:
+        """``exports_telemetry``: this process writes the engine's stats for the frontend (the
+        first rank of the engine)."""
         self.config = precision_config
         self.policy = policy
         self.routing = precision_config.effective_routing
@@ -107,7 +110,9 @@ class PrecisionController:
         self.telemetry_path = precision_config.telemetry_path
         # engine counters and records for the frontend (metrics, the per-request route); the
         # model sets ``stats.num_layers``
-        self.stats = PrecisionTelemetry(None, {"policy": policy.name, "routing": self.routing})
+        self.stats = PrecisionTelemetry(
+            None, {"policy": policy.name, "routing": self.routing}, writes=exports_telemetry
+        )
         self._lock = threading.Lock()
 
     # -- 1. batch mirror -----------------------------------------------------------------------
@@ -331,15 +336,6 @@ class PrecisionController:
             "finished": list(self.finished),
             "live": live,
         }
-
-
-def register(controller: PrecisionController) -> None:
-    """Make the controller findable by the logits processor in this worker process."""
-    register_listener("precision", controller)
-
-
-def current() -> PrecisionController | None:
-    return listener("precision")  # type: ignore[return-value]
 
 
 def resident_bytes(geared) -> dict[str, int]:

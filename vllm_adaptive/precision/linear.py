@@ -1,7 +1,8 @@
-"""The geared linear method: a vLLM linear layer that runs the precision its tokens' gear names.
+"""A geared linear layer: one linear that runs the precision its tokens' gear names.
 
-Installed over a linear layer's ``quant_method`` after weights load. ``apply`` calls one custom
-op, ``torch.ops.vllm_adaptive.geared_linear(x, index, out_features)``, so that a compiled model
+The model glue (`models/geared_linear_method.py`) installs it over a vLLM linear layer's
+``quant_method`` after weights load; that method's ``apply`` calls one custom op,
+``torch.ops.vllm_adaptive.geared_linear(x, index, out_features)``, so that a compiled model
 graph (vLLM's torch.compile) keeps the call opaque and the gear is read at run time from the
 step plan, not frozen into the graph. Inside the op the tokens of the step are grouped by the
 precision their gear level maps to in this layer's group, each group is multiplied by its packed
@@ -23,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_adaptive.engine.vllm_api import LinearMethodBase
 from vllm_adaptive.kernels.float_linear import W8A16Weight, nested_w8a8_w8a16
 from vllm_adaptive.kernels.weights import HALF_DTYPES, autotune_weight, half_call, linear
 from vllm_adaptive.precision.tiers import LinearTiers
@@ -140,35 +140,3 @@ _LIB.define("geared_linear(Tensor x, int index, int out_features) -> Tensor")
 for _key in ("CPU", "CUDA"):
     _LIB.impl("geared_linear", _geared_linear, _key)
 _LIB._register_fake("geared_linear", _geared_linear_fake)
-
-
-class GearedLinearMethod(LinearMethodBase):
-    """Replaces a linear layer's quant method; the original one still serves the full gear."""
-
-    def __init__(self, geared: GearedLinear) -> None:
-        self.geared = geared
-
-    def create_weights(self, *args, **kwargs):  # pragma: no cover - installed after loading
-        raise RuntimeError("GearedLinearMethod is installed after weights are created")
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if self.geared.keep_full:
-            self.geared.base_method.process_weights_after_loading(layer)
-        else:
-            # No gear of this layer runs the float weight: free it.
-            layer.weight = torch.nn.Parameter(
-                torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device),
-                requires_grad=False,
-            )
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if x.dim() == 2 and not torch.compiler.is_compiling():
-            g = self.geared  # eager: skip the op dispatch (~10 us per call)
-            return g.fast(x) if g.fast is not None else g.forward(x)
-        lead = x.shape[:-1]
-        out = torch.ops.vllm_adaptive.geared_linear(
-            x.reshape(-1, x.shape[-1]), self.geared.index, self.geared.tiers.shape[0]
-        )
-        return out.reshape(*lead, out.shape[-1])

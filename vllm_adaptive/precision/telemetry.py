@@ -37,13 +37,17 @@ class PrecisionCounters:
 class PrecisionTelemetry:
     """Counters, their export, and the hand-over of finished requests' records."""
 
-    def __init__(self, num_layers: int | None, describe: dict[str, Any]) -> None:
+    def __init__(
+        self, num_layers: int | None, describe: dict[str, Any], writes: bool = True
+    ) -> None:
+        """``writes``: this process exports the engine's stats (readers sum the files of all
+        engine processes, so only one rank of an engine writes)."""
         self.num_layers = num_layers
         self.describe = describe  # policy name and routing: constant per engine
         self.counters = PrecisionCounters()
         self._step_t0: float | None = None
         self._last_export = 0.0
-        self._writes = _is_first_rank()
+        self._writes = writes
 
     def step_started(self, plan_seconds: float) -> None:
         self._step_t0 = time.perf_counter()
@@ -101,16 +105,6 @@ class PrecisionTelemetry:
         if self._writes and (force or now - self._last_export >= EXPORT_INTERVAL_S):
             self._last_export = now
             _exchange("write_engine_stats", self.engine_stats())
-
-
-def _is_first_rank() -> bool:
-    """Readers sum the files of all engine processes: only one rank of an engine writes."""
-    try:
-        from vllm_adaptive.engine.vllm_api import get_pp_group, get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank
-    except Exception:  # no distributed state (a unit test): a single process
-        return True
 
 
 def _exchange(fn: str, payload: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ is the compute spent on it, which is what "off" asks for.
 
 vLLM's ``custom_class`` interface hands the proposer rows of the persistent batch, not requests,
 and with speculative decoding on vLLM builds no plugin logits processors in the worker, so the
-batch mirror that gears and depth budgets use (`vllm_adaptive.engine.batch_mirror`) receives nothing
+batch mirror that gears and depth budgets use (`vllm_adaptive.batch_mirror`) receives nothing
 here. The one object that knows which request is in which row is the model runner; it hands
 itself to the proposer after loading the model (``SelfSpeculativeProposer.attach_runner``, entry
 ``drafter-runner`` of :mod:`vllm_adaptive.engine.intrusions`), and `DraftingRequests` reads its

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
+from vllm_adaptive.depth.kv_strategies.base import KvState, KvStrategy, PlanDraft
 from vllm_adaptive.depth.kv_strategies.mask import MaskStrategy
 from vllm_adaptive.depth.kv_strategies.monotone import MonotoneStrategy
 from vllm_adaptive.depth.kv_strategies.propagate import PropagateStrategy
@@ -42,6 +42,7 @@ def build_kv_strategy(depth_config: Any) -> KvStrategy:
 
 __all__ = [
     "STRATEGIES",
+    "KvState",
     "KvStrategy",
     "MaskStrategy",
     "MonotoneStrategy",

@@ -5,12 +5,13 @@ record through `mask_context`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
+from vllm_adaptive.depth.kv_strategies.base import KvState, KvStrategy, PlanDraft
 from vllm_adaptive.depth.mask_context import StepMask
+from vllm_adaptive.depth.step import StepPlan
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts
@@ -23,7 +24,7 @@ class MaskStrategy(KvStrategy):
 
     def plan_decode(
         self,
-        runtime: Any,
+        state: KvState,
         parts: ModelParts,
         draft: PlanDraft,
         row: int,
@@ -31,24 +32,24 @@ class MaskStrategy(KvStrategy):
         pos: int,
         t: int,
     ) -> None:
-        low = runtime.record.context_min(block_row, pos)
-        self._see(runtime, draft, low)
+        self._see(state, draft, state.record.context_min(block_row, pos))
 
-    def plan_prefill(self, runtime: Any, draft: PlanDraft, row: int, low: int | None) -> None:
+    def plan_prefill(self, state: KvState, draft: PlanDraft, row: int, low: int | None) -> None:
         # masked slots are left out by attention, nothing to cap
-        self._see(runtime, draft, low)
+        self._see(state, draft, low)
 
     @staticmethod
-    def _see(runtime: Any, draft: PlanDraft, low: int | None) -> None:
-        L = runtime.num_layers
+    def _see(state: KvState, draft: PlanDraft, low: int | None) -> None:
+        L = state.num_layers
         draft.all_visible_below = min(draft.all_visible_below, low if low is not None else L)
 
-    def step_mask(self, runtime: Any, plan: Any) -> StepMask | None:
-        if plan.all_visible_below >= runtime.num_layers:
+    def step_mask(self, state: KvState, plan: StepPlan) -> StepMask | None:
+        L = state.num_layers
+        if plan.all_visible_below >= L:
             if plan.fusion is not None:
-                # fusion may mask this step's own slots from its layer on (runtime._peel
-                # swaps in the query positions then); below it, vLLM's fused op
-                return StepMask(runtime.record.depth, runtime.num_layers)
+                # fusion may mask this step's own slots from its layer on (the layer loop
+                # publishes the query positions then); below it, vLLM's fused op
+                return StepMask(state.record.depth, L)
             return None
-        runtime.counters.masked_steps += 1
-        return StepMask(runtime.record.depth, plan.all_visible_below)
+        state.counters.masked_steps += 1
+        return StepMask(state.record.depth, plan.all_visible_below)

@@ -4,12 +4,12 @@ projected from its exit state through that layer's norm, K/V projection and rota
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_adaptive.depth.backfill import propagate_kv
-from vllm_adaptive.depth.kv_strategies.base import KvStrategy
+from vllm_adaptive.depth.kv_strategies.base import KvState, KvStrategy
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts
@@ -22,17 +22,17 @@ class PropagateStrategy(KvStrategy):
 
     def exited(
         self,
-        runtime: Any,
+        state: KvState,
         parts: ModelParts,
         stream: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
         count: int,
     ) -> None:
-        L = runtime.num_layers
+        L = state.num_layers
         if count >= L:
             return
         have = torch.full((stream.shape[0],), count, dtype=torch.long, device=stream.device)
-        runtime.counters.propagated_kv += propagate_kv(
-            parts.layers, stream, slots, positions, have, L
+        state.counters.propagated_kv += propagate_kv(
+            parts.layers, stream, slots, positions, have, L, state.attention.write_kv
         )

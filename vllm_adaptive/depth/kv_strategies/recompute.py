@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_adaptive.depth.kv_strategies.base import KvStrategy, PlanDraft
-from vllm_adaptive.engine.attention_metadata import one_token_cpu_metadata
+from vllm_adaptive.depth.attention_port import LayerSwaps
+from vllm_adaptive.depth.kv_strategies.base import KvState, KvStrategy, PlanDraft
+from vllm_adaptive.depth.step import StepPlan
 
 if TYPE_CHECKING:
     from vllm_adaptive.models.interface import ModelParts
@@ -22,7 +23,7 @@ class RecomputeStrategy(KvStrategy):
 
     def plan_decode(
         self,
-        runtime: Any,
+        state: KvState,
         parts: ModelParts,
         draft: PlanDraft,
         row: int,
@@ -30,24 +31,26 @@ class RecomputeStrategy(KvStrategy):
         pos: int,
         t: int,
     ) -> None:
-        record = runtime.record
+        record = state.record
         slot = record.slots(block_row, torch.tensor([pos - 1]))
         d = int(record.read(slot).item())
-        if 0 < d < runtime.num_layers:
+        if 0 < d < state.num_layers:
             draft.resume.append((row, pos - 1, int(slot.item()), d))
 
-    def before_layers(self, runtime: Any, parts: ModelParts, ctx: Any, md: Any, plan: Any) -> None:
+    def before_layers(
+        self, state: KvState, parts: ModelParts, swaps: LayerSwaps, md: Any, plan: StepPlan
+    ) -> None:
         if plan.resume:
-            resume(runtime, parts, ctx, md, plan.resume)
+            resume(state, parts, swaps, md, plan.resume)
 
 
-def resume(runtime: Any, parts: ModelParts, ctx: Any, md: Any, items: list) -> None:
+def resume(state: KvState, parts: ModelParts, swaps: LayerSwaps, md: Any, items: list) -> None:
     """Each decode row's previous token, which exited after ``d`` blocks, continues from its
     stored exit state through blocks ``d+1 .. L`` with full attention. Rows join the batch at
     their own layer. ``items``: (row, position, slot, depth) per token."""
-    store, record = runtime.store, runtime.record
-    assert store is not None and record is not None
-    L = runtime.num_layers
+    store, record = state.store, state.record
+    assert store is not None, "recompute keeps exit states"
+    L = state.num_layers
     dev = md.slot_mapping.device
     rows = torch.tensor([it[0] for it in items])
     pos = torch.tensor([it[1] for it in items], device=dev)
@@ -70,11 +73,9 @@ def resume(runtime: Any, parts: ModelParts, ctx: Any, md: Any, items: list) -> N
                 kept = was[idx].to(dev)
                 h_new[kept], r_new[kept] = h, res
             h, res = h_new, r_new
-            sub = one_token_cpu_metadata(
-                md, rows[idx], pos[idx.to(dev)] + 1, slots[idx.to(dev)], runtime.sched_args
-            )
-            ctx.install(sub, i)
+            sub = state.attention.one_token(md, rows[idx], pos[idx.to(dev)] + 1, slots[idx.to(dev)])
+            swaps.install(sub, i)
         h, res = parts.layers[i].run_block(pos[active.to(dev)], h, res)
-        runtime.counters.recomputed_kv += int(active.sum())
-    ctx.install(md, 0)
+        state.counters.recomputed_kv += int(active.sum())
+    swaps.install(md, 0)
     record.write(slots, L)

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_adaptive.depth.exit_river import ExitRiver
-from vllm_adaptive.depth.kv_strategies.base import KvStrategy
-from vllm_adaptive.depth.step import ActiveRows, Step
+from vllm_adaptive.depth.kv_strategies.base import KvState, KvStrategy
+from vllm_adaptive.depth.step import ActiveRows, Step, StepPlan
 
 if TYPE_CHECKING:
+    from vllm_adaptive.depth.exit_decisions import ExitDecisions
     from vllm_adaptive.models.interface import ModelParts
 
 logger = logging.getLogger("vllm.adaptive.depth")
@@ -24,6 +25,7 @@ class RiverStrategy(KvStrategy):
     name = "river"
     supports_accelerated_stream = False
     fills_every_layer = True
+    owns_layer_loop = True
     model_needs = "runs reduced copies of the block through its recipe"
 
     def __init__(self, settings: Any) -> None:
@@ -44,7 +46,7 @@ class RiverStrategy(KvStrategy):
             )
         return None
 
-    def weights_loaded(self, runtime: Any, parts: ModelParts) -> None:
+    def weights_loaded(self, parts: ModelParts, num_layers: int) -> None:
         """Quantize the river's layers from the float weights."""
         r = self.settings
         self.river = ExitRiver(
@@ -56,20 +58,21 @@ class RiverStrategy(KvStrategy):
             "vllm-adaptive river: %s copies of blocks %d-%d, %.1f MB",
             self.river.quantizer,
             r.entry_layer + 1,
-            runtime.num_layers,
+            num_layers,
             self.river.resident_bytes() / 1e6,
         )
 
-    def kv_cache_ready(self, runtime: Any, parts: ModelParts) -> None:
+    def kv_cache_ready(self, state: KvState, parts: ModelParts) -> None:
         if self.river is not None and self.settings.offload_backbone:
             self.river.offload_backbone(parts.layers)
 
     def run_layers(
         self,
-        runtime: Any,
+        state: KvState,
         parts: ModelParts,
+        exits: ExitDecisions,
         md: Any,
-        plan: Any,
+        plan: StepPlan,
         positions: torch.Tensor,
         hidden: torch.Tensor,
         input_ids: torch.Tensor | None,
@@ -80,8 +83,8 @@ class RiverStrategy(KvStrategy):
         prefill). ``depth``: backbone blocks."""
         river = self.river
         assert river is not None, "the river is built at weight loading"
-        L = runtime.num_layers
-        c = runtime.counters
+        L = state.num_layers
+        counters = state.counters
         num_reqs = plan.cap.shape[0]
         depth = torch.full((num_reqs,), L, dtype=torch.long)
         qsl = md.query_start_loc.cpu().long()
@@ -102,7 +105,7 @@ class RiverStrategy(KvStrategy):
         for i, layer in enumerate(parts.layers):
             count = i + 1
             prev = None
-            if any_exit and runtime._needs_prev(count):
+            if any_exit and exits.needs_prev(count):
                 prev = h if res is None else h + res
             if bool(river_tok.any()):
                 rt = torch.nonzero(river_tok).squeeze(1)
@@ -110,26 +113,26 @@ class RiverStrategy(KvStrategy):
                 h, res = river.forward_layer(
                     layer, positions, h, res, rt, bt if bt.numel() else None
                 )
-                c.river_token_layers += int(river_tok[first[in_river.to(dev)]].sum())
+                counters.river_token_layers += int(river_tok[first[in_river.to(dev)]].sum())
             else:
                 h, res = layer.run_block(positions, h, res)
             if prefill_river and count == river.entry_layer:
                 for r in torch.nonzero(prefill_rows).squeeze(1).tolist():
                     river_tok[int(qsl[r]) : int(qsl[r + 1])] = True
                 depth[prefill_rows] = count
-            p = runtime.probe_index.get(count)
+            p = exits.probe(count)
             if p is None or count < river.entry_layer or count >= L:
                 continue
             t0 = time.perf_counter()
-            cand = runtime._candidates(plan, all_rows, count, p) & ~in_river
+            cand = exits.candidates(plan, all_rows, count, p) & ~in_river
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
                 act = ActiveRows(all_rows, qsl, tok, positions, h, res)
-                passed = runtime._decide(step, act, count, j, prev)
+                passed = exits.decide(step, act, count, j, prev)
                 newly = j[passed]
                 in_river[newly] = True
                 river_tok[first[newly.to(dev)]] = True
                 depth[newly] = count
-            c.decision_seconds += time.perf_counter() - t0
+            counters.decision_seconds += time.perf_counter() - t0
         out, _ = parts.final_norm(h, res)
         return out, depth

@@ -1,0 +1,42 @@
+"""vLLM's side of a geared linear: the quant method installed over a linear layer after its
+weights load, which hands the layer's calls to its `GearedLinear` (`precision/linear.py`).
+A subclass of vLLM's `LinearMethodBase`, so it is glue, not mechanism."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_adaptive.engine.vllm_api import LinearMethodBase
+from vllm_adaptive.precision.linear import GearedLinear
+
+
+class GearedLinearMethod(LinearMethodBase):
+    """Replaces a linear layer's quant method; the original one still serves the full gear."""
+
+    def __init__(self, geared: GearedLinear) -> None:
+        self.geared = geared
+
+    def create_weights(self, *args, **kwargs):  # pragma: no cover - installed after loading
+        raise RuntimeError("GearedLinearMethod is installed after weights are created")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.geared.keep_full:
+            self.geared.base_method.process_weights_after_loading(layer)
+        else:
+            # No gear of this layer runs the float weight: free it.
+            layer.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device),
+                requires_grad=False,
+            )
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if x.dim() == 2 and not torch.compiler.is_compiling():
+            g = self.geared  # eager: skip the op dispatch (~10 us per call)
+            return g.fast(x) if g.fast is not None else g.forward(x)
+        lead = x.shape[:-1]
+        out = torch.ops.vllm_adaptive.geared_linear(
+            x.reshape(-1, x.shape[-1]), self.geared.index, self.geared.tiers.shape[0]
+        )
+        return out.reshape(*lead, out.shape[-1])
