@@ -27,6 +27,31 @@ def test_server_spec_parsing_and_errors() -> None:
             servers.parse_server_spec(bad)
 
 
+def test_server_from_another_commit(tmp_path, monkeypatch) -> None:
+    """``code``: the plugin as of a git commit, imported first by the server (PYTHONPATH)."""
+    head = servers.resolve_commit("HEAD")
+    assert len(head) == 40
+    spec = servers.parse_server_spec(
+        '{"label": "before", "dtype": "bfloat16", "adaptive": {}, "code": "HEAD"}'
+    )
+    assert spec.code == head
+    for bad, word in (
+        ('{"label": "x", "dtype": "bfloat16", "adaptive": {}, "code": "no-such-rev"}', "no-such"),
+        ('{"label": "x", "dtype": "bfloat16", "code": "HEAD"}', "needs the plugin on"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            servers.parse_server_spec(bad)
+    dest = servers.code_checkout(head, root=tmp_path)
+    assert dest == tmp_path / head
+    assert (dest / "vllm_adaptive" / "engine" / "plugin.py").is_file()
+    assert not (dest / "tests").exists()  # the package only
+    assert servers.code_checkout(head, root=tmp_path) == dest  # extracted once
+    monkeypatch.setattr(servers, "code_checkout", lambda commit: tmp_path / commit)
+    env = servers.serve_env(spec)
+    assert env["PYTHONPATH"] == str(tmp_path / head) and env["VLLM_PLUGINS"] == servers.PLUGINS_ON
+    assert "PYTHONPATH" not in servers.serve_env(servers.ServerSpec("now", "bfloat16", {}))
+
+
 def test_stock_is_really_stock_and_plugin_is_on() -> None:
     stock = servers.ServerSpec("stock", "float32")
     assert servers.serve_env(stock) == {"VLLM_PLUGINS": ""}

@@ -87,6 +87,7 @@ def run(
             "adaptive": s.adaptive,
             "serve_args": list(s.serve_args),
             "model": s.model,
+            "code": s.code,
             "serve_command": serve_command(s, 0),  # port 0: a free port at each start
             "serve_env": serve_env(s),
             "plugin_loaded": not s.stock,
@@ -239,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         metavar="JSON",
         help='a server: {"label": ..., "dtype": "bfloat16"|"float32", "adaptive": '
-        '{...} (absent: stock, plugin not loaded), "serve_args": [...]} (repeatable; '
+        '{...} (absent: stock, plugin not loaded), "serve_args": [...], "code": a git commit '
+        "to run the plugin from, for before/after} (repeatable; "
         "default: stock at both dtypes, the plugin's default, fp16 gear and GEARBX)",
     )
     p.add_argument(

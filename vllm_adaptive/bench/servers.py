@@ -56,6 +56,9 @@ class ServerSpec:
     adaptive: dict | None = None
     serve_args: tuple[str, ...] = ()
     model: str = SERVED_NAME  # a `vllm-adaptive models list` name: another checkpoint as a peer
+    #: run the plugin's code as of this git commit (a before/after bench of a change on one
+    #: machine, same prompts, same run); None: the working tree's
+    code: str | None = None
 
     @property
     def stock(self) -> bool:
@@ -64,14 +67,15 @@ class ServerSpec:
 
 def parse_server_spec(text: str) -> ServerSpec:
     """``{"label": ..., "dtype": "bfloat16"|"float32", "adaptive": {...} (absent: stock),
-    "serve_args": [...], "model": name}``; a bad spec is a ValueError that names the problem."""
+    "serve_args": [...], "model": name, "code": git commit}``; a bad spec is a ValueError that
+    names the problem."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--server {text!r}: not JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"--server {text!r}: want a JSON object")
-    unknown = set(raw) - {"label", "dtype", "adaptive", "serve_args", "model"}
+    unknown = set(raw) - {"label", "dtype", "adaptive", "serve_args", "model", "code"}
     if unknown:
         raise ValueError(f"--server {text!r}: unknown keys {sorted(unknown)}")
     label, dtype = raw.get("label"), raw.get("dtype")
@@ -91,7 +95,46 @@ def parse_server_spec(text: str) -> ServerSpec:
     if model not in {*ZOO, *DERIVED}:
         known = sorted({*ZOO, *DERIVED})
         raise ValueError(f"--server {text!r}: unknown model {model!r}; known: {known}")
-    return ServerSpec(label, dtype, adaptive, tuple(args), model)
+    code = raw.get("code")
+    if code is not None:
+        if adaptive is None:
+            raise ValueError(f"--server {text!r}: 'code' needs the plugin on ('adaptive')")
+        try:
+            code = resolve_commit(code)
+        except ValueError as e:
+            raise ValueError(f"--server {text!r}: 'code': {e}") from None
+    return ServerSpec(label, dtype, adaptive, tuple(args), model, code)
+
+
+def resolve_commit(rev: str) -> str:
+    """The full hash of git revision ``rev`` of this repository (ValueError: none such)."""
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise ValueError(f"no commit {rev!r} in {REPO}")
+    return out.stdout.strip()
+
+
+def code_checkout(commit: str, root: Path = REPO / "runs" / "code") -> Path:
+    """The package as of ``commit``, extracted once under ``runs/code/<commit>`` (what a server
+    with ``code`` imports first, through PYTHONPATH)."""
+    dest = root / commit
+    if (dest / "vllm_adaptive" / "__init__.py").exists():
+        return dest
+    tmp = root / f".{commit}.tmp"
+    subprocess.run(["rm", "-rf", str(tmp)], check=True)
+    tmp.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "vllm_adaptive"],
+        capture_output=True,
+        check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    tmp.rename(dest)
+    return dest
 
 
 def default_servers(flags: Sequence[str]) -> list[ServerSpec]:
@@ -204,7 +247,8 @@ def serve_env(spec: ServerSpec) -> dict[str, str]:
     if spec.stock:
         return {"VLLM_PLUGINS": "", **model}
     config = json.dumps({"adaptive": spec.adaptive})
-    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": config, **model}
+    code = {} if spec.code is None else {"PYTHONPATH": str(code_checkout(spec.code))}
+    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": config, **model, **code}
 
 
 @dataclass
