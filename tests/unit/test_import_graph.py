@@ -92,9 +92,7 @@ ENGINE = "vllm_adaptive.engine"
 ALGORITHMS = tuple(
     f"vllm_adaptive.{name}" for name in ("depth", "precision", "moe", "kernels", "m2r2")
 )
-GLUE = tuple(
-    f"vllm_adaptive.{name}" for name in ("engine", "models", "attention", "bench", "cli")
-)
+GLUE = tuple(f"vllm_adaptive.{name}" for name in ("engine", "models", "attention", "bench", "cli"))
 
 
 @dataclass
