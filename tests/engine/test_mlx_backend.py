@@ -144,15 +144,26 @@ def test_profile_of_another_model_is_refused(model_dir, depth_profile, tmp_path)
         MlxEngine(other, {"depth": {"profile": str(depth_profile)}}, dtype=DTYPE)
 
 
-def test_lowbit_self_draft_is_lossless(model_dir, prompts, stock_greedy) -> None:
+def test_lowbit_self_draft_is_lossless(model_dir, stock, prompts, stock_greedy) -> None:
     eng = MlxEngine(model_dir, {"speculative": {"draft": "lowbit"}}, dtype=DTYPE)
     for i, (p, want) in enumerate(zip(prompts, stock_greedy, strict=True)):
         assert list(eng.generate(p, NEW, overrides=_tag(f"s{i}"))) == want
     (rec,) = eng.request_records("s0")
     assert rec["mechanism"] == "speculative" and rec["drafted"] > 0 and rec["accepted"] > 0
     assert rec["emitted"] == NEW
-    seeded = [list(eng.generate(prompts[1], 4, Sampling(0.8, 0.95, seed=5))) for _ in range(2)]
-    assert seeded[0] == seeded[1]
+    # Seeded sampling. The first token is drawn from the target's prompt logits before any
+    # draft, so with the same seed it is mlx-lm's own sampler's; later tokens come from the
+    # verifier's own draws (same distribution, other draws): the seed must decide them, also
+    # after a request with another seed.
+    model, _ = stock
+    seeded = {s: list(eng.generate(prompts[1], 4, Sampling(0.8, 0.95, seed=s))) for s in (7, 9)}
+    assert list(eng.generate(prompts[1], 4, Sampling(0.8, 0.95, seed=7))) == seeded[7]
+    assert seeded[7] != seeded[9]  # control: the seed decides the draws
+    mx.random.seed(7)
+    sampler = make_sampler(0.8, 0.95)
+    ref = generate_step(mx.array(prompts[1]), model, max_tokens=1, sampler=sampler)
+    assert seeded[7][:1] == [t for t, _ in ref]
+    assert seeded[7][0] != stock_greedy[1][0]  # (seed 7 draws a token that is not the argmax)
     assert eng.telemetry()["speculative"]["acceptance"] > 0
 
 

@@ -89,14 +89,42 @@ def test_chat(client: openai.OpenAI) -> None:
     assert "".join(pieces) == content
 
 
-def test_adaptive_mode_off_override(client: openai.OpenAI, greedy_text: str) -> None:
-    resp = client.completions.create(
-        model=SERVED_NAME,
-        prompt=PROMPT,
-        extra_body={"vllm_xargs": {"adaptive_mode": "off"}},
-        **GREEDY,
-    )
-    assert resp.choices[0].text == greedy_text
+def test_adaptive_mode_off_override(
+    client: openai.OpenAI, server_url: str, greedy_text: str
+) -> None:
+    """The server's budget is 1.0 (no exits), so ``adaptive_mode: off`` is checked beside the
+    same prompt with a budget that makes its tokens exit: that one runs shallower (its route
+    record) and writes other text; the "off" one runs every layer and writes the greedy text."""
+
+    def complete(xargs: dict) -> str:
+        resp = client.completions.create(
+            model=SERVED_NAME, prompt=PROMPT, extra_body={"vllm_xargs": xargs}, **GREEDY
+        )
+        return resp.choices[0].text
+
+    low = complete({"adaptive_depth_budget": 0.4, "adaptive_request_tag": "mode-low"})
+    off = complete({"adaptive_mode": "off", "adaptive_request_tag": "mode-off"})
+    assert off == greedy_text
+    records = {tag: _records_of(client, server_url, tag) for tag in ("mode-low", "mode-off")}
+    assert records["mode-off"]["mode"] == "off"
+    assert set(records["mode-off"]["depths"]) == {30}
+    assert records["mode-low"]["mode"] == "on" and records["mode-low"]["budget"] == 0.4
+    assert records["mode-low"]["mean_depth"] < 30  # this prompt's tokens do exit when asked
+    assert low != greedy_text
+
+
+def _records_of(client: openai.OpenAI, url: str, tag: str) -> dict:
+    """The one route record of ``tag``; a request's record is written when the engine's next
+    step retires it, so a short request is sent until the record is there."""
+    deadline = time.monotonic() + 30
+    while True:
+        status, body = _get(f"{url}/v1/adaptive/requests/{tag}")
+        if status == 200 or time.monotonic() > deadline:
+            break
+        client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert status == 200, body
+    (record,) = json.loads(body)["records"]
+    return record
 
 
 @pytest.mark.parametrize(

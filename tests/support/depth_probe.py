@@ -190,3 +190,76 @@ def stop_resuming(model: Any) -> None:
 
 def restore_resuming(model: Any) -> None:
     del model.depth.kv.before_layers
+
+
+def _exit_river(model: Any) -> Any:
+    """The engine's Exit River (``vllm_adaptive/depth/exit_river.py``), found among the
+    attributes of the model's depth runtime (and theirs, a few levels down) so that the
+    negative control depends on ``ExitRiver``'s API only, not on where the runtime keeps it."""
+    from vllm_adaptive.depth.exit_river import ExitRiver
+
+    seen: set[int] = set()
+    level = [model.depth]
+    for _ in range(4):
+        below = []
+        for obj in level:
+            if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module, str, bytes)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, ExitRiver):
+                return obj
+            if isinstance(obj, dict):
+                below += list(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                below += list(obj)
+            elif hasattr(obj, "__dict__"):
+                below += list(vars(obj).values())
+        level = below
+    raise LookupError("no ExitRiver under the model's depth runtime (kv_strategy is not river?)")
+
+
+def stop_river_kv_writes(model: Any) -> int:
+    """Negative control for the river strategy: the Exit River's layers no longer write the K/V
+    of the exited decode tokens they run. For the duration of each ``ExitRiver.forward_layer``
+    call the layer's cache write drops, from the slot mapping, the river rows that are the one
+    query token of their request (prompt tokens in the river, ``prefill: river``, and backbone
+    rows still write). Returns the river's entry layer (0-based: its first layer)."""
+    import inspect
+
+    from vllm.forward_context import get_forward_context
+
+    from vllm_adaptive.depth.exit_river import ExitRiver
+
+    river = _exit_river(model)
+    signature = inspect.signature(ExitRiver.forward_layer)
+    forward_layer = river.forward_layer  # the bound method
+
+    def forward_layer_without_exited_kv(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(river, *args, **kwargs)
+        layer, rows = bound.arguments["layer"], bound.arguments["river"].cpu()
+        md = get_forward_context().attn_metadata[layer.attn.layer_name]
+        qsl = md.query_start_loc.cpu().long()
+        decode_tokens = qsl[:-1][qsl[1:] - qsl[:-1] == 1]
+        skipped = rows[torch.isin(rows, decode_tokens)]
+        impl = layer.attn.impl
+        write = impl.do_kv_cache_update  # the audit's wrapper: skipped slots stay unmarked
+
+        def without_skipped(attn, key, value, kv_cache, slot_mapping):
+            keep = torch.ones(slot_mapping.shape[0], dtype=torch.bool)
+            keep[skipped] = False
+            keep = keep.to(slot_mapping.device)
+            n = slot_mapping.shape[0]
+            return write(attn, key[:n][keep], value[:n][keep], kv_cache, slot_mapping[keep])
+
+        impl.do_kv_cache_update = without_skipped
+        try:
+            return forward_layer(*args, **kwargs)
+        finally:
+            impl.do_kv_cache_update = write
+
+    river.forward_layer = forward_layer_without_exited_kv
+    return river.entry_layer
+
+
+def restore_river_kv_writes(model: Any) -> None:
+    del _exit_river(model).forward_layer  # the class's method again
