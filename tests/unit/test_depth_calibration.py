@@ -19,7 +19,12 @@ from vllm_adaptive.artifacts import (
     load_profile,
     save_profile,
 )
-from vllm_adaptive.depth.calibration.budget import SimData, search_q, simulate
+from vllm_adaptive.depth.calibration.budget import (
+    SimData,
+    search_q,
+    search_q_for_agreement,
+    simulate,
+)
 from vllm_adaptive.depth.calibration.norms import fit_affine
 from vllm_adaptive.depth.calibration.targets import entropy_targets
 from vllm_adaptive.depth.isotonic import IsotonicMap, isotonic_fit
@@ -124,6 +129,34 @@ def test_budget_search_monotone_and_meets_budget() -> None:
     assert r.mean_layers < 8 and 0.0 <= r.agreement <= 1.0
     impossible = search_q(run, 0.01, "layers")
     assert not impossible.met and impossible.q == 1.0
+
+
+def test_agreement_search_takes_the_most_exits_that_keep_the_target() -> None:
+    data = _sim_data()
+    shape = DenseShape(8, 64, 128, 4, 2, 16, 1000)
+    ents = [data.proxy[p].ravel() for p in range(3)]
+
+    def run(q):
+        return simulate(data, entropy_targets(ents, q), shape, proxy_flops=1000.0)
+
+    most, least = run(1.0).agreement, run(0.0).agreement
+    assert most < least  # exits cost agreement
+    prev_q = 1.0
+    for f in (0.3, 0.6, 0.9):
+        target = most + f * (least - most)
+        found = search_q_for_agreement(run, target)
+        assert found.met and found.result.agreement >= target
+        assert found.q <= prev_q + 1e-12  # a stricter target never allows more exits
+        prev_q = found.q
+        # the largest such q: a little more and the target is missed
+        assert run(found.q + 1e-3).agreement < target
+    loose = search_q_for_agreement(run, most + 0.3 * (least - most))
+    assert loose.result.mean_layers < found.result.mean_layers  # a looser target: more exits
+    assert search_q_for_agreement(run, most).q == 1.0
+    impossible = search_q_for_agreement(run, min(1.0, least + 1e-6))
+    assert not impossible.met and impossible.q == 0.0
+    with pytest.raises(ValueError, match="target agreement"):
+        search_q_for_agreement(run, 1.5)
 
 
 def _fake_model(tmp: Path, vocab: int = 32) -> Path:

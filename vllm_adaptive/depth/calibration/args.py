@@ -71,6 +71,14 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fusion-fit-windows", type=int, default=4, help="windows for distances")
     p.add_argument("--fusion-val-windows", type=int, default=8, help="windows for the grid")
     p.add_argument("--budget", type=float, default=0.6, help="cost fraction of full depth")
+    p.add_argument(
+        "--target-agreement",
+        type=float,
+        default=None,
+        help="instead of --budget: the most exits whose simulated agreement with the full "
+        "model's greedy token (teacher-forced, held-out windows) stays >= this; the profile's "
+        "budget is their cost",
+    )
     p.add_argument("--budget-kind", choices=("layers", "flops"), default="layers")
     p.add_argument("--tokens", type=int, default=256 * 32, help="teacher-forced")
     p.add_argument("--window", type=int, default=256)

@@ -228,3 +228,30 @@ def search_q(
         else:
             lo = mid
     return BudgetSearch(q=hi, met=True, result=hi_res)
+
+
+def search_q_for_agreement(
+    cost_at: Callable[[float], SimResult], target: float, iters: int = 30
+) -> BudgetSearch:
+    """Largest q (most exits) whose simulated agreement with the full model's greedy token is
+    still >= ``target``: a quality target instead of a compute budget.
+
+    Agreement is non-increasing in q (more exits, each a chance to differ), so bisection
+    applies. If even q=0 misses the target, returns q=0 with met=False."""
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target agreement must be in (0, 1], not {target}")
+    lo_res = cost_at(0.0)
+    if lo_res.agreement < target:
+        return BudgetSearch(q=0.0, met=False, result=lo_res)
+    hi_res = cost_at(1.0)
+    if hi_res.agreement >= target:
+        return BudgetSearch(q=1.0, met=True, result=hi_res)
+    lo, hi = 0.0, 1.0
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        r = cost_at(mid)
+        if r.agreement >= target:
+            lo, lo_res = mid, r
+        else:
+            hi = mid
+    return BudgetSearch(q=lo, met=True, result=lo_res)

@@ -31,7 +31,13 @@ import numpy as np
 import torch
 
 from vllm_adaptive.artifacts import Profile, save_profile
-from vllm_adaptive.depth.calibration.budget import SimData, SimResult, search_q, simulate
+from vllm_adaptive.depth.calibration.budget import (
+    SimData,
+    SimResult,
+    search_q,
+    search_q_for_agreement,
+    simulate,
+)
 from vllm_adaptive.depth.calibration.collect import CollectConfig, collect, load_model
 from vllm_adaptive.depth.calibration.norms import AffineNorm, fit_layer_norms
 from vllm_adaptive.depth.calibration.quicksilver import (
@@ -61,6 +67,9 @@ class CalibrationOptions:
     topk: int = 32
     population: str = "all"  # tokens the quantile runs over: all (paper) | agree
     min_agreement: float = 0.0  # disable probes agreeing less (0: the paper, every probe)
+    #: the budget is the cost of the most exits whose simulated agreement with the full model's
+    #: greedy token stays >= this (None: ``budget`` as given)
+    target_agreement: float | None = None
     floor_tokens: int = 16  # the runtime's default floor (adaptive.depth.floor)
     floor_min: int | None = None
     collect: CollectConfig = field(default_factory=CollectConfig)
@@ -217,6 +226,13 @@ def calibrate(
             sim, thresholds_at(q), shape, pflops, opts.floor_tokens, floor_min, proxy_floor
         )
 
+    target = None
+    if opts.target_agreement is not None:
+        stage(f"q search for agreement >= {opts.target_agreement} (exit simulation)")
+        target = search_q_for_agreement(run, opts.target_agreement)
+        r = target.result
+        cost = r.layers_fraction if opts.budget_kind == "layers" else r.flops_fraction
+        opts = replace(opts, budget=round(float(cost), 4))
     stage("budget search over q (exit simulation)")
     found = search_q(run, opts.budget, opts.budget_kind)
     tau = entropy_targets(pops, found.q)
@@ -261,6 +277,8 @@ def calibrate(
         "budget": opts.budget,
         "budget_kind": opts.budget_kind,
         "budget_met": found.met,
+        "target_agreement": opts.target_agreement,
+        "target_agreement_met": None if target is None else target.met,
         "q": found.q,
         "floor": {"tokens": opts.floor_tokens, "min": floor_min},
         "tau": tau.tolist(),
@@ -362,6 +380,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         proxy=args.proxy,
         population=args.population,
         min_agreement=args.min_agreement,
+        target_agreement=args.target_agreement,
         floor_tokens=args.floor_tokens,
         floor_min=args.floor_min,
         collect=CollectConfig(
@@ -443,6 +462,9 @@ def format_summary(s: dict[str, Any]) -> str:
         )
     r = s["simulation"]
     met = "met" if s["budget_met"] else "NOT met (even q=1)"
+    if s.get("target_agreement") is not None:
+        hit = "met" if s["target_agreement_met"] else "NOT met (even q=0)"
+        lines.append(f"target agreement {s['target_agreement']} {hit}: budget set to its cost")
     lines += [
         f"proxy={s['proxy']} rank={s['rank']} (probe cost {s['proxy_flops_over_block']:.2f} "
         f"of one block's linear FLOPs), alpha={s['alpha']}",
