@@ -12,6 +12,7 @@ in the step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -91,11 +92,14 @@ class SlotMirror(Generic[S]):
             return None
 
 
-_LISTENERS: dict[str, BatchListener] = {}
+#: weak: the engine's model holds its controllers, and a finished engine's (with the layers
+#: they reference) must not stay alive in the process through this table
+_LISTENERS: weakref.WeakValueDictionary[str, BatchListener] = weakref.WeakValueDictionary()
 
 
 def register_listener(name: str, listener: BatchListener) -> None:
-    """One listener per name and process; a newer engine's controller replaces the old."""
+    """One listener per name and process; a newer engine's controller replaces the old. The
+    caller keeps the listener alive (the model holds it): it is dropped here once it is gone."""
     _LISTENERS[name] = listener
 
 

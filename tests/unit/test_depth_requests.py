@@ -96,6 +96,30 @@ def test_notify_parses_once_for_every_listener(monkeypatch) -> None:
     assert seen[0].added[0][1].mode == "off"
 
 
+def test_listeners_do_not_keep_a_finished_engines_controllers_alive(monkeypatch) -> None:
+    """The model holds its controllers; once it is gone, the batch hook forgets them."""
+    import gc
+
+    # an empty table of the module's own kind (a plain dict would keep the controller alive)
+    monkeypatch.setattr(batch_mirror, "_LISTENERS", type(batch_mirror._LISTENERS)())
+
+    class Controller:
+        def __init__(self) -> None:
+            self.layers = [bytearray(1 << 20)]  # what a controller keeps: the engine's layers
+
+        def update_batch(self, update) -> None:
+            pass
+
+    model = {"precision": Controller()}  # the engine's model holds it
+    batch_mirror.register_listener("precision", model["precision"])
+    gc.collect()
+    assert batch_mirror.listener("precision") is model["precision"]
+    del model
+    gc.collect()
+    assert batch_mirror.listener("precision") is None
+    batch_mirror.notify(_update(added=[(0, _params(), [1], [])]))  # no listener: nothing to do
+
+
 def test_requests_module_does_not_know_the_runtime() -> None:
     """One-way dependency: the runtime owns and calls DepthRequests, never the reverse."""
     src = Path(__file__).resolve().parents[2] / "vllm_adaptive/depth/requests.py"
