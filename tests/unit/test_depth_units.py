@@ -95,6 +95,20 @@ def test_budget_picks_the_most_conservative_row_within_it() -> None:
     assert lows == sorted(lows)  # a smaller budget never lowers thresholds
 
 
+def test_the_profiles_own_budget_gets_the_thresholds_it_was_calibrated_to() -> None:
+    """A profile calibrated to an agreement target stores the target's thresholds; its cost is
+    not monotone in q, so the table's first row within that cost may be a more aggressive one.
+    The profile's own budget gets its own thresholds; other budgets the table's rows."""
+    import dataclasses
+
+    own = np.array([-0.75, -0.75, -0.75])  # between the table's rows 0 (-1) and 1 (-0.5)
+    p = dataclasses.replace(_profile(), budget=0.9, thresholds=own)
+    assert p.thresholds_for(0.9).tolist() == own.tolist()
+    assert p.thresholds_for(0.9 + 1e-3)[0] == pytest.approx(-0.5)  # the table, as before
+    assert p.thresholds_for(0.8)[0] == pytest.approx(-0.5)
+    assert _profile().thresholds_for(0.6).tolist() == _profile().thresholds.tolist()
+
+
 def test_slot_mirror_follows_adds_removes_moves_and_swaps() -> None:
     finished: list[str] = []
     mirror: SlotMirror[str] = SlotMirror(lambda params, p, o: params, finished.append)

@@ -130,11 +130,16 @@ class ExitProfile:
     def thresholds_for(self, budget: float) -> np.ndarray:
         """Per-probe exit thresholds whose simulated cost fits ``budget``.
 
-        1.0 means no exits (thresholds of -inf). Otherwise the most conservative row of the
-        q-table whose cost is within the budget; if no row reaches it, the cheapest row.
+        1.0 means no exits (thresholds of -inf). The profile's own budget: the thresholds it
+        was calibrated to (for a profile calibrated to an agreement target, those of the target:
+        the simulated cost is not monotone in q, so the table's first row within the same cost
+        can be a more aggressive one). Otherwise the most conservative row of the q-table whose
+        cost is within the budget; if no row reaches it, the cheapest row.
         """
         if budget >= 1.0:
             return np.full(len(self.probe_layers), -np.inf)
+        if abs(budget - self.budget) < 1e-9:
+            return self.thresholds
         fits = np.nonzero(self.table_cost <= budget + 1e-9)[0]
         row = int(fits[0]) if len(fits) else int(np.argmin(self.table_cost))
         return self.table_thresholds[row]
