@@ -69,8 +69,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.smoothing and args.fusion:
-        raise SystemExit("calibrate: --smoothing and --fusion write different profiles (give one)")
+    if sum(map(bool, (args.smoothing, args.fusion, args.gear_plan))) > 1:
+        raise SystemExit(
+            "calibrate: --smoothing, --fusion and --gear-plan write different profiles (give one)"
+        )
+    if args.gear_plan:
+        from vllm_adaptive.precision.gear_plan import run_from_args as run_gear_plan
+
+        return run_gear_plan(args)
     if args.fusion:
         from vllm_adaptive.depth.calibration.fusion import run_from_args as run_fusion
 

@@ -165,6 +165,34 @@ def test_layer_maps_and_defaults() -> None:
     assert fx.layer_map(7, 30) == ("int2", "int2", "int2")
 
 
+def test_fixed_gear_with_layers_of_their_own() -> None:
+    """A fixed gear keeps named layers at another precision (what `calibrate --gear-plan`
+    writes); each policy's groups take their own shape, and the wrong one is named."""
+    fx = parse_adaptive_config(
+        {
+            "precision": {
+                "policy": "fixed",
+                "gear": "w8a8",
+                "layer_groups": [{"layers": [0, 3], "gear": "full"}],
+            }
+        }
+    ).precision
+    assert fx.layer_map(2, 30) == ("full", "full", "full")
+    assert fx.layer_map(3, 30) == ("w8a8", "w8a8", "w8a8")
+    bad = [
+        (
+            {"policy": "fixed", "gear": "w8a8"},
+            {"layers": [0, 3], "gears": ["full"] * 3},
+            'takes "gear"',
+        ),
+        ({"policy": "gearbx"}, {"layers": [0, 3], "gear": "full"}, 'takes "gears"'),
+        ({"policy": "gearbx"}, {"layers": [0, 3]}, "one of them"),
+    ]
+    for precision, group, message in bad:
+        with pytest.raises(AdaptiveConfigError, match=message):
+            parse_adaptive_config({"precision": {**precision, "layer_groups": [group]}})
+
+
 def _controller(policy: str = "gearbx", **settings):
     from vllm_adaptive.precision.controller import PrecisionController
     from vllm_adaptive.precision.policies import build_policy

@@ -61,18 +61,32 @@ class QuickSilverSettings(_Strict):
 
 
 class LayerGroup(_Strict):
-    """Layers ``[start, end)`` whose linears map the gear levels to their own precisions."""
+    """Layers ``[start, end)`` whose linears map the gear levels to their own precisions
+    (``gears``), or, under policy ``fixed``, run one precision of their own (``gear``)."""
 
     layers: tuple[int, int] = Field(strict=False)  # JSON lists
-    gears: GearMap = Field(strict=False)
+    gears: GearMap | None = Field(None, strict=False)
+    gear: Precision | None = None
 
     @model_validator(mode="after")
     def _check(self) -> LayerGroup:
         start, end = self.layers
         if not 0 <= start < end:
             raise ValueError(f"layers must be [start, end) with 0 <= start < end: {self.layers}")
-        _check_gear_order(self.gears, "gears")
+        if (self.gears is None) == (self.gear is None):
+            raise ValueError(
+                f'layer group {list(self.layers)}: give "gears" (gearbx, quicksilver) or '
+                '"gear" (fixed), one of them'
+            )
+        if self.gears is not None:
+            _check_gear_order(self.gears, "gears")
         return self
+
+    @property
+    def level_gears(self) -> GearMap:
+        if self.gears is not None:
+            return self.gears
+        return (self.gear, self.gear, self.gear)  # type: ignore[return-value]
 
 
 class SmoothingConfig(_Strict):
@@ -137,10 +151,25 @@ class PrecisionConfig(_Strict):
                 raise ValueError(
                     'policy "fixed" needs "gear" (full, fp16, w8a16, int8, w8a8, int4 or int2)'
                 )
-            if self.gears is not None or self.layer_groups:
-                raise ValueError('policy "fixed" takes "gear", not "gears"/"layer_groups"')
-        elif self.gear is not None:
-            raise ValueError(f'"gear" is for policy "fixed"; policy {self.policy!r} uses "gears"')
+            if self.gears is not None:
+                raise ValueError('policy "fixed" takes "gear", not "gears"')
+            for g in self.layer_groups:
+                if g.gear is None:
+                    raise ValueError(
+                        f'policy "fixed": layer group {list(g.layers)} takes "gear" (its own '
+                        'precision), not "gears"'
+                    )
+        else:
+            if self.gear is not None:
+                raise ValueError(
+                    f'"gear" is for policy "fixed"; policy {self.policy!r} uses "gears"'
+                )
+            for g in self.layer_groups:
+                if g.gears is None:
+                    raise ValueError(
+                        f'policy {self.policy!r}: layer group {list(g.layers)} takes "gears" '
+                        '(low, mid, high), not "gear"'
+                    )
         if self.gears is not None:
             _check_gear_order(self.gears, "gears")
         if self.head_gears is not None:
@@ -154,7 +183,7 @@ class PrecisionConfig(_Strict):
                 "w8a8"
                 not in {
                     *self.level_gears,
-                    *(p for g in self.layer_groups for p in g.gears),
+                    *(p for g in self.layer_groups for p in g.level_gears),
                     *(self.head_gears or ()),
                 }
             )
@@ -194,7 +223,7 @@ class PrecisionConfig(_Strict):
         resolved = self.model_copy(update=update) if update else self
         if resolved.smoothing is not None and "w8a8" not in {
             *resolved.level_gears,
-            *(p for g in resolved.layer_groups for p in g.gears),
+            *(p for g in resolved.layer_groups for p in g.level_gears),
             *(resolved.head_gears or ()),
         }:
             raise ValueError(
@@ -237,7 +266,7 @@ class PrecisionConfig(_Strict):
         """The (low, mid, high) precisions of one decoder layer."""
         for g in self.layer_groups:
             if g.layers[0] <= layer < g.layers[1]:
-                return g.gears
+                return g.level_gears
         if self.policy == "quicksilver" and not self.layer_groups and layer < num_layers // 2:
             high = self.level_gears[2]
             return (high, high, high)

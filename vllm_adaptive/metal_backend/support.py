@@ -33,7 +33,7 @@ def unsupported(cfg: AdaptiveConfig) -> list[tuple[str, str]]:
         mlx_precisions = {"full", "int8", "int4", "int2"}
         used = {
             *p.level_gears,
-            *(x for g in p.layer_groups for x in g.gears),
+            *(x for g in p.layer_groups for x in g.level_gears),
         }
         if used - mlx_precisions:
             key = "adaptive.precision.gear" if p.policy == "fixed" else "adaptive.precision.gears"

@@ -87,6 +87,8 @@ def install_precision(
     geared = []
     for i, name, linear in linears:
         gears = head_map if name == "lm_head" else cfg.layer_map(i, num_layers)
+        if set(gears) == {"full"}:
+            continue  # the model's own weight at every level: stock's linear, no wrapper
         level_map = (*gears, "full")
         if level_map not in maps:
             maps.append(level_map)

@@ -20,6 +20,29 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "an adaptive-depth profile",
     )
     p.add_argument(
+        "--gear-plan",
+        metavar="GEAR",
+        choices=("w8a8",),
+        help="write a fixed-gear plan instead: which decoder layers take GEAR (w8a8) while "
+        "the simulated teacher-forced agreement with the model stays >= --target-agreement "
+        "(the rest run the model's own weights); --tokens, --window, --smoothing-profile, "
+        "--smoothing-alpha, --dtype and --plot apply",
+    )
+    p.add_argument(
+        "--smoothing-profile",
+        metavar="DIR",
+        help="--gear-plan: simulate the W8A8 gear smoothed by this profile (calibrate --smoothing)",
+    )
+    p.add_argument(
+        "--smoothing-alpha", type=float, default=0.5, help="--gear-plan: SmoothQuant alpha"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="--gear-plan: the engine's dtype the plan is for (default bfloat16)",
+    )
+    p.add_argument(
         "--fusion",
         action="store_true",
         help="write a contextual token fusion profile (QuickSilver D.3: tau_fuse per fusion "
