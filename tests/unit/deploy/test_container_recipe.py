@@ -100,7 +100,7 @@ def test_cpu_image_extras_and_model_path() -> None:
     # the setup script installs exactly these extras
     script = (REPO / "scripts" / "setup-venv.sh").read_text()
     assert "extras=${ADAPTIVE_EXTRAS:-${VLLM_ADAPTIVE_EXTRAS:-cpu,dev,mlx}}" in script
-    assert 'pip install -q -e "$root[$extras]"' in script
+    assert 'pip_install -e "$root[$extras]"' in script
     # the model lands where the manifests look for it
     cache = re.search(r"ADAPTIVE_CACHE=(\S+)", text).group(1)
     model = f"{cache}/models/{MODEL}"
