@@ -38,7 +38,9 @@ pip_install() {
     local attempt
     for attempt in 1 2 3; do
         pip install -q --retries 10 --timeout 60 --resume-retries 30 "$@" && return 0
-        echo "[setup-venv] pip install $* failed (attempt $attempt of 3); retrying" >&2
+        # a full disk reads as a broken download in pip's message: say how much is free
+        echo "[setup-venv] pip install $* failed (attempt $attempt of 3; free space:" \
+            "$(df -h --output=avail "$venv" "${TMPDIR:-/tmp}" 2>/dev/null | tail -n +2 | tr -s ' \n' ' ')); retrying" >&2
         sleep $((attempt * 10))
     done
     return 1
