@@ -128,6 +128,10 @@ _KERNEL_BENCHES = {
         "vllm_adaptive.bench.kernels_triton",
         "check and time the Triton packed-weight kernels (CUDA)",
     ),
+    "bench-gpu": (
+        "vllm_adaptive.bench.kernels_gpu",
+        "every packed-weight GEMM path against bf16, in CUDA graphs and eager (CUDA)",
+    ),
     "bench-attention": (
         "vllm_adaptive.bench.kernels_attention",
         "check and time paged attention with the per-slot depth mask (CPU or CUDA)",

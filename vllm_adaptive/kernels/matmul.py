@@ -14,10 +14,12 @@ Paths (names are what :func:`choose_path` returns and what ``path=`` forces):
 - ``int4pack_f32``: the same on ``x.float()``, cast back.
 - ``dequant``: ``F.linear(x, dequantize(packed, x.dtype))``: always correct, any device; the
   reference and the fallback.
-- ``triton``: the Triton kernel of :mod:`vllm_adaptive.kernels.triton_packed`, reading the packed
-  storage directly (every format: int8 / int4 / int2, symmetric or asymmetric, per-row or
-  group-wise), fp16 / bf16 / fp32 activations. CUDA devices only, when triton is installed and
-  ``torch.cuda.is_available()``; there it is what :func:`choose_path` picks.
+- ``triton``: the project's Triton kernel (:mod:`vllm_adaptive.kernels.triton_packed`), reading
+  the packed storage directly (every format: int8 / int4 / int2, symmetric or asymmetric, per-row
+  or group-wise), fp16 / bf16 / fp32 activations. CUDA devices only, when triton is installed and
+  ``torch.cuda.is_available()``.
+- ``tinygemm``, ``gemlite``: the field's kernels on CUDA (torch's int4 tinygemm, GemLite),
+  registered in :mod:`vllm_adaptive.kernels.cuda_library` with what each can run.
 - ``dequant_f32``: float32 compute, the weight dequantized in row chunks of at most
   ``DEQUANT_CHUNK_BYTES`` into a reused float32 buffer, each chunk multiplied (``torch.mm``) as
   soon as it is made; the result is cast to x's dtype. Chunking is what makes it usable on large
@@ -35,10 +37,11 @@ Dispatch on CPU comes from ``_CPU_RULES`` below, measured with
 ``vllm-adaptive kernels bench-packed`` on this project's CPU (numbers in
 ``docs/packed-kernels.md`` and cited next to the rules). Anything the table does not cover
 (other activation dtypes, weights no native kernel accepts) takes the slow-but-correct
-``dequant`` path. CUDA devices take ``triton`` when it can run there (not yet measured against
-``dequant`` on a GPU: ``vllm-adaptive kernels bench-triton`` does that) and ``dequant``
-otherwise; every other device takes ``dequant`` (dequantize then a dense matmul).
-``PATHS`` lists the CPU paths; ``ALL_PATHS`` adds ``triton``.
+``dequant`` path. CUDA devices follow ``_CUDA_RULES``, measured on an H100 with
+``vllm-adaptive kernels bench-gpu`` (every cell inside CUDA graphs): per weight width and token
+count, the kernels in the order they won; the first one installed that can run the weight is
+taken, then ``triton``, then ``dequant``. Every other device takes ``dequant``.
+``PATHS`` lists the CPU paths; ``ALL_PATHS`` adds the CUDA ones.
 
 :func:`matmul_planes` is the entry point for a Matryoshka tier in the bit-plane layout
 (:class:`~vllm_adaptive.kernels.planes.MatryoshkaPlanes`): ``triton`` on CUDA, ``dequant``
@@ -53,6 +56,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from vllm_adaptive.kernels import cuda_library
+from vllm_adaptive.kernels.cuda_library import GEMLITE, TINYGEMM
 from vllm_adaptive.kernels.packed import PackedWeight, dequantize, unpack_codes
 from vllm_adaptive.kernels.planes import MatryoshkaPlanes
 
@@ -64,7 +69,8 @@ DEQUANT = "dequant"
 DEQUANT_F32 = "dequant_f32"
 TRITON = "triton"
 PATHS = (INT8PACK, INT8PACK_F32, INT4PACK, INT4PACK_F32, DEQUANT, DEQUANT_F32)  # CPU
-ALL_PATHS = PATHS + (TRITON,)
+CUDA_LIBRARY_PATHS = tuple(cuda_library.KERNELS)  # tinygemm, gemlite
+ALL_PATHS = PATHS + (TRITON, *CUDA_LIBRARY_PATHS)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Weight families, each with its own candidate kernels.
@@ -123,6 +129,34 @@ _CPU_RULES: dict[tuple[str, torch.dtype], tuple[tuple[float, str], ...]] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# The measured dispatch table (CUDA).
+# (bits, activation dtype) -> ((max_tokens, (kernels, fastest first)), ...): the first rule with
+# tokens <= max_tokens gives the order; the first kernel in it that is installed and runs the
+# weight is taken, else ``triton``, else ``dequant``. Kernel names are those of
+# ``cuda_library.KERNELS`` (a production kernel such as Marlin is one more entry there and here).
+# Measured with `vllm-adaptive kernels bench-gpu` on an NVIDIA H100 80GB HBM3 (torch 2.11+cu130,
+# triton 3.6, GemLite 0.6.0), bf16 activations, every call inside a CUDA graph, weights streamed
+# from HBM; 2026-11-27, docs/gpu-kernels.md, raw data docs/data/gpu-kernels-h100.json.
+# Speedups over bf16 F.linear, geometric mean over 4096x4096 / 4096x11008 (/ 11008x4096 at 1
+# token):
+#   int8 per-row: GemLite 1.81x / 1.18x / 1.03x at 1 / 8 / 32 tokens, the project's Triton
+#     kernel 1.15x / 1.14x / 0.72x.
+#   int4 (g32, g128): tinygemm 1.93-2.32x at 1 token and 1.08-1.18x at 8, but 0.35x at 32, where
+#     GemLite's GEMM is 0.55-0.75x and Triton 0.32-0.36x: no int4 kernel beats bf16 from ~16
+#     tokens on.
+#   int2 (g32): tinygemm 1.92x / 1.08x at 1 / 8, GemLite 0.49x at 32 (tinygemm 0.35x).
+#   fp16 activations: tinygemm takes bf16 only; GemLite, then Triton (not timed in fp16).
+_CUDA_RULES: dict[tuple[int, torch.dtype], tuple[tuple[float, tuple[str, ...]], ...]] = {
+    (8, torch.bfloat16): ((_INF, (GEMLITE, TRITON)),),
+    (8, torch.float16): ((_INF, (GEMLITE, TRITON)),),
+    (4, torch.bfloat16): ((8, (TINYGEMM, GEMLITE, TRITON)), (_INF, (GEMLITE, TINYGEMM, TRITON))),
+    (4, torch.float16): ((_INF, (GEMLITE, TRITON)),),
+    (2, torch.bfloat16): ((8, (TINYGEMM, GEMLITE, TRITON)), (_INF, (GEMLITE, TINYGEMM, TRITON))),
+    (2, torch.float16): ((_INF, (GEMLITE, TRITON)),),
+}
+
+
 def int4pack_group(packed: PackedWeight) -> int | None:
     """Group length the int4pack kernel runs ``packed`` with, or None if it cannot."""
     n, k = packed.shape
@@ -149,7 +183,7 @@ def triton_usable(device: torch.device | str) -> bool:
     two conditions hold, so CPU dispatch never pays for it.
     """
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if not cuda_usable(device):
         return False
     if importlib.util.find_spec("triton") is None:
         return False
@@ -158,16 +192,47 @@ def triton_usable(device: torch.device | str) -> bool:
     return triton_packed.TRITON_AVAILABLE
 
 
-def _off_cpu_paths(dtype: torch.dtype, device: torch.device) -> list[str]:
+def cuda_usable(device: torch.device | str) -> bool:
+    """A CUDA device with a GPU present."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def _off_cpu_paths(packed: PackedWeight | None, dtype: torch.dtype, device: torch.device) -> list:
+    """Every correct path off CPU: the library kernels that run the weight, triton, dequant."""
+    paths: list[str] = []
+    if packed is not None and packed.device.type == "cuda" and cuda_usable(device):
+        paths += [n for n in CUDA_LIBRARY_PATHS if cuda_library.runnable(n, packed, dtype)]
     if dtype in TRITON_DTYPES and triton_usable(device):
-        return [TRITON, DEQUANT]
-    return [DEQUANT]
+        paths.append(TRITON)
+    return paths + [DEQUANT]
+
+
+def _cuda_rules(packed: PackedWeight, dtype: torch.dtype) -> tuple[tuple[float, str], ...]:
+    """``_CUDA_RULES`` resolved for this weight: (max_tokens, path), cached on the weight."""
+    key = ("cuda-rules", dtype)
+    got = packed.prepared.get(key)
+    if got is None:
+        usable = _off_cpu_paths(packed, dtype, packed.device)
+        got = packed.prepared[key] = resolve_cuda_rules(packed.bits, dtype, usable)
+    return got
+
+
+def resolve_cuda_rules(
+    bits: int, dtype: torch.dtype, usable: list[str]
+) -> tuple[tuple[float, str], ...]:
+    """Per token range, the first kernel of the measured order among ``usable`` (the paths that
+    run the weight here, best fallback first among the rest)."""
+    rules = _CUDA_RULES.get((bits, dtype), ((_INF, ()),))
+    return tuple(
+        (max_tokens, next((p for p in prefs if p in usable), usable[0]))
+        for max_tokens, prefs in rules
+    )
 
 
 def applicable_paths(packed: PackedWeight, dtype: torch.dtype, device: torch.device) -> list[str]:
     """Every path that computes ``x @ W^T`` correctly for this weight, dtype and device."""
     if torch.device(device).type != "cpu":
-        return _off_cpu_paths(dtype, torch.device(device))
+        return _off_cpu_paths(packed, dtype, torch.device(device))
     fam = family(packed)
     paths: list[str] = []
     if fam == FAMILY_INT8_ROW:
@@ -192,8 +257,12 @@ def choose_path(
     """The path :func:`matmul` takes for ``tokens`` rows of ``dtype`` activations."""
     device = torch.device(device) if device is not None else packed.device
     if device.type != "cpu":
-        # CUDA with triton: the fused kernel; anything else: dequantize, then F.linear
-        return _off_cpu_paths(dtype, device)[0]
+        if not cuda_usable(device) or packed.device.type != "cuda":
+            return _off_cpu_paths(packed, dtype, device)[0]
+        for max_tokens, path in _cuda_rules(packed, dtype):
+            if tokens <= max_tokens:
+                return path
+        return DEQUANT
     rules = _CPU_RULES.get((family(packed), dtype))
     if rules is None:
         return DEQUANT  # unmeasured dtype: the slow-but-correct fallback
@@ -207,7 +276,9 @@ def dispatch_paths(packed: PackedWeight, dtype: torch.dtype) -> list[str]:
     """The paths :func:`choose_path` can pick for this weight and dtype at any token count:
     the layouts worth preparing (preparing every applicable path wastes memory)."""
     if packed.device.type != "cpu":
-        return _off_cpu_paths(dtype, packed.device)[:1]
+        if not cuda_usable(packed.device):
+            return [DEQUANT]
+        return list(dict.fromkeys(path for _, path in _cuda_rules(packed, dtype)))
     rules = _CPU_RULES.get((family(packed), dtype), ((_INF, DEQUANT),))
     return list(dict.fromkeys(path for _, path in rules))
 
@@ -238,6 +309,8 @@ def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
 
             def fn(x: torch.Tensor) -> torch.Tensor:
                 return op(x, w, sc)
+        elif path in CUDA_LIBRARY_PATHS:
+            fn = cuda_library.kernel(path, packed, dtype)
         elif path == INT4PACK:
             op = torch.ops.aten._weight_int4pack_mm_for_cpu
             w, g = _int4_weight(packed), int4pack_group(packed)
@@ -399,6 +472,8 @@ def _run(path: str, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         from vllm_adaptive.kernels.triton_packed import packed_matmul
 
         return packed_matmul(x, packed)
+    if path in CUDA_LIBRARY_PATHS:
+        return cuda_library.kernel(path, packed, x.dtype)(x)
     raise ValueError(f"unknown path {path!r}; paths are {ALL_PATHS}")
 
 
@@ -447,7 +522,7 @@ def matmul_planes(
     (``F.linear(x, planes.dequantize(bits, x.dtype))``, any device).
     """
     n, k = _check_input(x, planes.shape, planes.device)
-    paths = [DEQUANT] if x.device.type == "cpu" else _off_cpu_paths(x.dtype, x.device)
+    paths = [DEQUANT] if x.device.type == "cpu" else _off_cpu_paths(None, x.dtype, x.device)
     if path is None:
         path = paths[0]
     elif path not in paths:
