@@ -250,3 +250,36 @@ def test_save_load_round_trip_and_refusals(hf_model, model_dir, tmp_path):
     (tmp_path / "b" / "adapter.safetensors").write_bytes(bytes(raw))
     with pytest.raises(AdapterError, match="sha256"):
         M2R2Adapters.load(tmp_path / "b")
+
+
+def _greedy_folder(tmp_path: Path, fingerprint: str = "abc", seq_len: int = 16) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    spec = {"data_source": "greedy", "target_fingerprint": fingerprint, "seq_len": seq_len,
+            "corpus_sha256": ["s1", "s2"]}  # fmt: skip
+    (folder / "spec.json").write_text(json.dumps(spec))
+    for i in range(2):
+        tokens = torch.arange(3 * seq_len).view(3, seq_len) + 100 * i
+        torch.save(
+            {"tokens": tokens, "aux": torch.zeros(3, seq_len, 4)}, folder / f"train-{i:05d}.pt"
+        )
+    torch.save({"tokens": torch.ones(2, 12, dtype=torch.long)}, folder / "eval.pt")
+    return folder
+
+
+def test_greedy_data_is_the_heads_windows(tmp_path):
+    """M2R2 trained with --greedy-data sees the EAGLE-3 head's own windows and held-out
+    prompts, cut to seq_len + 1; data made for another model, or too short, is refused."""
+    from vllm_adaptive.m2r2.train import load_greedy_data
+
+    folder = _greedy_folder(tmp_path)
+    data, shas = load_greedy_data(folder, 9, "abc")
+    assert data.train.shape == (6, 10) and data.train.dtype == torch.long
+    assert data.train[3, 0] == 100 and data.train[0, 9] == 9  # shards in order, cut to 10
+    assert data.val.shape == (2, 12) and shas == ["s1", "s2"]
+    with pytest.raises(AdapterError, match="another model"):
+        load_greedy_data(folder, 9, "xyz")
+    with pytest.raises(AdapterError, match="--seq-len 16 needs 17"):
+        load_greedy_data(folder, 16, "abc")
+    with pytest.raises(AdapterError, match="no spec.json"):
+        load_greedy_data(tmp_path, 9, "abc")

@@ -40,6 +40,9 @@ class TrainOptions:
     progress: bool = True
     stop_after: int | None = None  # testing: stop after this step as if interrupted
     corpus_sha256: list[str] = field(default_factory=list)
+    #: an EAGLE-3 greedy data folder (``train draft --data-source greedy``'s ``train/data``):
+    #: train and validate on the same windows the learned head saw, instead of the corpora
+    greedy_data: str | None = None
 
     @property
     def warmup_steps(self) -> int:
@@ -56,7 +59,13 @@ def _gates(text: str) -> list[int]:
 def add_m2r2_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainOptions(model="", corpus=[], out="")
     p.add_argument("--model", required=True, help="HF model directory (Llama family)")
-    p.add_argument("--corpus", action="append", required=True, help="UTF-8 text file (repeatable)")
+    p.add_argument("--corpus", action="append", default=[], help="UTF-8 text file (repeatable)")
+    p.add_argument(
+        "--greedy-data",
+        default=None,
+        help="train on an EAGLE-3 greedy data folder (OUT/train/data of `train draft "
+        "--data-source greedy`): the same windows and held-out prompts as that head",
+    )
     p.add_argument("--out", required=True, help="output directory (adapter, checkpoints, metrics)")
     p.add_argument("--mode", choices=("spec", "exit"), default=d.mode)
     p.add_argument("--k", type=int, default=d.k, help="spec: draft depth (layers)")

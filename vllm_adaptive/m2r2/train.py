@@ -127,6 +127,38 @@ def load_data(
     ), shas
 
 
+def load_greedy_data(folder: str | Path, seq_len: int, fingerprint: str) -> tuple[M2R2Data, list]:
+    """The token windows of an EAGLE-3 greedy data folder: its training windows (calibration
+    prompts continued by the target's greedy tokens) cut to ``seq_len + 1``, and its held-out
+    prompts with their greedy continuations for validation. Refused when the data was made
+    for another model."""
+    folder = Path(folder)
+    spec_path = folder / "spec.json"
+    if not spec_path.is_file():
+        raise AdapterError(
+            f"--greedy-data {folder}: no spec.json (not a `train draft` data folder)"
+        )
+    spec = json.loads(spec_path.read_text())
+    if spec.get("data_source") != "greedy":
+        raise AdapterError(f"--greedy-data {folder}: made from {spec.get('data_source')!r} data")
+    if spec.get("target_fingerprint") != fingerprint:
+        raise AdapterError(
+            f"--greedy-data {folder} was made for another model (fingerprint "
+            f"{str(spec.get('target_fingerprint'))[:12]}, this model {fingerprint[:12]})"
+        )
+    if spec["seq_len"] < seq_len + 1:
+        raise AdapterError(
+            f"--greedy-data windows hold {spec['seq_len']} tokens; --seq-len {seq_len} needs "
+            f"{seq_len + 1}"
+        )
+    shards = sorted(folder.glob("train-*.pt"))
+    train = torch.cat(
+        [torch.load(f, map_location="cpu", weights_only=True)["tokens"] for f in shards]
+    )[:, : seq_len + 1]
+    val = torch.load(folder / "eval.pt", map_location="cpu", weights_only=True)["tokens"]
+    return M2R2Data(train.long().contiguous(), val.long().contiguous()), spec["corpus_sha256"]
+
+
 def batch_indices(step: int, batch: int, n: int, seed: int) -> torch.Tensor:
     """Window indices of training step ``step`` (0-based): a fresh seeded permutation per epoch,
     so the order depends only on (seed, step) and --resume sees the same batches."""
@@ -260,7 +292,12 @@ def train(opts: TrainOptions) -> dict[str, Any]:
     fingerprint = model_fingerprint(opts.model)
     cfg = _adapter_config(model, opts)
     opts.gates = cfg.gates
-    data, opts.corpus_sha256 = load_data(tok, opts.corpus, opts.seq_len, opts.val_windows)
+    if opts.greedy_data:
+        data, opts.corpus_sha256 = load_greedy_data(opts.greedy_data, opts.seq_len, fingerprint)
+    elif opts.corpus:
+        data, opts.corpus_sha256 = load_data(tok, opts.corpus, opts.seq_len, opts.val_windows)
+    else:
+        raise AdapterError("give --corpus (one or more) or --greedy-data")
 
     torch.manual_seed(opts.seed)
     adapters = M2R2Adapters.zeros(cfg, seed=opts.seed).to(dev)
@@ -432,6 +469,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         threads=args.threads,
         progress=not args.no_progress,
         stop_after=args.stop_after,
+        greedy_data=args.greedy_data,
     )
     try:
         res = train(opts)
