@@ -132,3 +132,28 @@ def test_bench_without_a_gpu_exits_2(tmp_path, capsys):
         pytest.skip("a GPU is present")
     assert kernels_gpu.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_prepare_builds_a_library_kernel_once(monkeypatch):
+    """Layouts are built when the weights load (``prepare``), cached on the weight, not at the
+    first call; a kernel that cannot run the weight is refused by name."""
+    built = []
+
+    def build(packed, dtype):
+        built.append(dtype)
+        return lambda x: x
+
+    fake = cuda_library.CudaKernel(
+        cuda_library.TINYGEMM, lambda: True, lambda p, d: None if p.bits == 4 else "4-bit", build
+    )
+    monkeypatch.setitem(cuda_library.KERNELS, cuda_library.TINYGEMM, fake)
+    p = quantize(W, 4, 32)
+    mm.prepare(p, torch.bfloat16, cuda_library.TINYGEMM)
+    mm.prepare(p, torch.bfloat16, cuda_library.TINYGEMM)
+    assert built == [torch.bfloat16]
+    assert (
+        cuda_library.kernel(cuda_library.TINYGEMM, p, torch.bfloat16)
+        is p.prepared[("cuda-kernel", cuda_library.TINYGEMM, torch.bfloat16)]
+    )
+    with pytest.raises(ValueError, match="tinygemm cannot run int8 per-row .*: 4-bit"):
+        mm.prepare(quantize(W, 8), torch.bfloat16, cuda_library.TINYGEMM)

@@ -418,6 +418,8 @@ def prepare(packed: PackedWeight, dtype: torch.dtype, path: str | None = None) -
             _int4_scale_zeros(packed, torch.float32)
         elif p == DEQUANT_F32:
             _dequant_params(packed)
+        elif p in CUDA_LIBRARY_PATHS:  # packing, and GemLite's module, at load, not at a call
+            cuda_library.kernel(p, packed, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
