@@ -33,6 +33,30 @@ def test_entropy_bits_bounds_and_nan_guard() -> None:
     assert math.isfinite(entropy_bits(broken).item())
 
 
+def test_entropy_bits_is_the_textbook_formula_without_touching_its_input() -> None:
+    """The in-place computation (reused buffers) equals -(p . log p) / ln 2 on every row shape
+    and dtype the engine passes, leaves the logits alone, and a result outlives the next call."""
+    g = torch.Generator().manual_seed(0)
+    for shape, dtype in (
+        ((8, 49152), torch.bfloat16),
+        ((3, 5, 100), torch.float32),
+        ((1, 7), torch.float16),
+    ):
+        logits = (torch.randn(shape, generator=g) * 4).to(dtype)
+        logits.view(-1, shape[-1])[0, :3] = float("-inf")
+        before = logits.clone()
+        logp = torch.log_softmax(torch.nan_to_num(logits.float(), neginf=-1e4), dim=-1)
+        want = -(logp.exp() * logp).sum(-1) / math.log(2)
+        got = entropy_bits(logits)
+        assert got.shape == shape[:-1] and got.dtype == torch.float32
+        assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+        assert torch.equal(logits, before)
+        kept = got.clone()
+        entropy_bits(torch.zeros(shape))  # the next step reuses the buffers
+        assert torch.equal(got, kept)
+    assert entropy_bits(torch.zeros(0, 10)).shape == (0,)
+
+
 def _run(monitor: GearbxMonitor, seq: list[float], level: int) -> tuple[list[int], int]:
     state = monitor.start(None)
     state.level = level

@@ -128,9 +128,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ppl-streams",
-        type=int,
+        type=_positive,
         default=16,
-        help="held-out streams fed as one batch for perplexity",
+        help="held-out streams fed as one batch for perplexity (at least 1: every report "
+        "carries quality beside speed)",
     )
     p.add_argument(
         "--ppl-prefix", type=int, default=64, help="prompt tokens before teacher forcing starts"
