@@ -90,47 +90,44 @@ def _stats(per_call_ms: list[float]) -> dict:
     return {"median_ms": statistics.median(per_call_ms), "p20_ms": q[0], "p80_ms": q[-1]}
 
 
+def _per_call_ms(launch: Callable[[], None], calls: int, reps: int) -> dict:
+    """``reps`` timings (CUDA events) of ``launch``, which issues ``calls`` calls."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return _stats(times)
+
+
+def _rotate(fns: list[Callable], x: torch.Tensor, calls: int) -> None:
+    for i in range(calls):
+        fns[i % len(fns)](x)
+
+
 def time_graph(fns: list[Callable], x: torch.Tensor, calls: int, reps: int) -> dict:
     """Per-call time of ``calls`` calls (rotating over ``fns``) captured in one CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (autotuning, lazy layouts) outside the capture
-        for f in fns:
-            f(x)
+        _rotate(fns, x, len(fns))
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)](x)
+        _rotate(fns, x, calls)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return _stats(times)
+    return _per_call_ms(graph.replay, calls, reps)
 
 
 def time_eager(fns: list[Callable], x: torch.Tensor, calls: int, reps: int) -> dict:
     """Per-call time of the same calls launched from Python."""
-    for f in fns:
-        f(x)
+    _rotate(fns, x, len(fns))
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            fns[i % len(fns)](x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return _stats(times)
+    return _per_call_ms(lambda: _rotate(fns, x, calls), calls, reps)
 
 
 def build_paths(w: torch.Tensor, spec: dict, dtype: torch.dtype, paths: list[str]) -> dict:

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_adaptive.kernels import int4pack_layout
 from vllm_adaptive.kernels.packed import PackedWeight
 
 TINYGEMM = "tinygemm"
 GEMLITE = "gemlite"
 
-TINYGEMM_GROUPS = (256, 128, 64, 32)  # what aten._weight_int4pack_mm accepts
+TINYGEMM_GROUPS = int4pack_layout.GROUPS  # what aten._weight_int4pack_mm accepts
 TINYGEMM_INNER_K_TILES = (8, 4, 2)
 GEMLITE_GROUPS = (32, 64, 128, 256)
 
@@ -52,13 +53,6 @@ class CudaKernel:
 # ---------------------------------------------------------------------------------------------
 
 
-def _tinygemm_group(packed: PackedWeight) -> int | None:
-    n, k = packed.shape
-    if packed.group_size is None:
-        return next((g for g in TINYGEMM_GROUPS if k % g == 0), None)
-    return packed.group_size if packed.group_size in TINYGEMM_GROUPS else None
-
-
 def _tinygemm_inner_k_tiles(k: int) -> int | None:
     return next((t for t in TINYGEMM_INNER_K_TILES if k % (t * 16) == 0), None)
 
@@ -73,7 +67,7 @@ def _tinygemm_supports(packed: PackedWeight, dtype: torch.dtype) -> str | None:
         return f"tinygemm needs N % 8 == 0 (N={n})"
     if _tinygemm_inner_k_tiles(k) is None:
         return f"tinygemm needs K % 32 == 0 (K={k})"
-    if _tinygemm_group(packed) is None:
+    if int4pack_layout.kernel_group(packed) is None:
         return f"tinygemm groups are {TINYGEMM_GROUPS}, not {packed.group_size}"
     return None
 
@@ -81,18 +75,11 @@ def _tinygemm_supports(packed: PackedWeight, dtype: torch.dtype) -> str | None:
 def _tinygemm_layout(packed: PackedWeight) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(packed int4 weight, group, [K/g, N, 2] bf16 scale-and-zero)."""
     n, k = packed.shape
-    g = _tinygemm_group(packed)
+    g = int4pack_layout.kernel_group(packed)
     q = (packed.codes().to(torch.int32) + 8).to(torch.uint8)  # (q - 8) is the signed code
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # element 2j in the high nibble
     weight = torch.ops.aten._convert_weight_to_int4pack(nibbles, _tinygemm_inner_k_tiles(k))
-    reps = packed.group_len // g
-    scales = packed.scales.to(torch.float32)
-    zeros = torch.zeros_like(scales) if packed.offsets is None else packed.offsets.float()
-    if reps > 1:
-        scales = scales.repeat_interleave(reps, dim=1)
-        zeros = zeros.repeat_interleave(reps, dim=1)
-    scale_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return weight, g, scale_zeros
+    return weight, g, int4pack_layout.scale_zeros(packed, g, torch.bfloat16)
 
 
 def _tinygemm_build(packed: PackedWeight, dtype: torch.dtype) -> Kernel:

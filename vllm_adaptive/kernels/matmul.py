@@ -56,7 +56,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from vllm_adaptive.kernels import cuda_library
+from vllm_adaptive.kernels import cuda_library, int4pack_layout
 from vllm_adaptive.kernels.cuda_library import GEMLITE, TINYGEMM
 from vllm_adaptive.kernels.packed import PackedWeight, dequantize, unpack_codes
 from vllm_adaptive.kernels.planes import MatryoshkaPlanes
@@ -78,7 +78,7 @@ FAMILY_INT8_ROW = "int8-row"  # bits 8, per-row, symmetric: int8pack
 FAMILY_INT4PACK = "int4pack"  # bits 4 or 2, N % 16 == 0, K % 32 == 0: int4pack
 FAMILY_DEQUANT = "dequant-only"  # everything else (grouped int8, asymmetric int8, odd shapes)
 
-INT4PACK_GROUPS = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
+INT4PACK_GROUPS = int4pack_layout.GROUPS  # what _weight_int4pack_mm_for_cpu accepts
 
 # dequant_f32 chunk: float32 bytes per chunk of rows (at least 16 rows).
 DEQUANT_CHUNK_BYTES = 4 << 20
@@ -162,9 +162,7 @@ def int4pack_group(packed: PackedWeight) -> int | None:
     n, k = packed.shape
     if packed.bits not in (4, 2) or n % 16 or k % 32:
         return None
-    if packed.group_size is None:
-        return next(g for g in INT4PACK_GROUPS if k % g == 0)
-    return packed.group_size if packed.group_size in INT4PACK_GROUPS else None
+    return int4pack_layout.kernel_group(packed)
 
 
 def family(packed: PackedWeight) -> str:
@@ -355,22 +353,11 @@ def _int4_weight(packed: PackedWeight) -> torch.Tensor:
 
 
 def _int4_scale_zeros(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
-    key = ("int4pack_scale_zeros", dtype)
-    got = packed.prepared.get(key)
-    if got is None:
-        g = int4pack_group(packed)
-        reps = packed.group_len // g
-        scales = packed.scales.to(torch.float32)
-        zeros = (
-            torch.zeros_like(scales) if packed.offsets is None else packed.offsets.to(torch.float32)
-        )
-        if reps > 1:
-            scales = scales.repeat_interleave(reps, dim=1)
-            zeros = zeros.repeat_interleave(reps, dim=1)
-        # kernel layout: [K / g, N, 2] (scale, zero), in the activation dtype
-        got = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
-        packed.prepared[key] = got
-    return got
+    return _cached(
+        packed,
+        ("int4pack_scale_zeros", dtype),
+        lambda: int4pack_layout.scale_zeros(packed, int4pack_group(packed), dtype),
+    )
 
 
 def _dequant_params(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
