@@ -4,6 +4,7 @@ backend's server (`serve --backend mlx`; with vLLM, `vllm serve` loads the plugi
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -310,7 +311,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_termination() -> None:
+    """SIGTERM and SIGHUP raise SystemExit, so a command's cleanup runs: the servers and engines
+    it started are stopped, none outlives it (Python's default for SIGTERM exits at once)."""
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+
+
 def main(argv: list[str] | None = None) -> int:
+    exit_on_termination()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "forwards_rest", False):
