@@ -11,8 +11,13 @@
 #     reads as many weight bytes as bf16 and its float32 compute changes the text.
 #   - Other CPUs (AVX2): --dtype float32, the fastest stock setting there, with the fixed fp16
 #     gear ({"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}): half the weight
-#     bytes, text identical to stock float32's.
-# A --dtype of your own picks the config for that dtype; ADAPTIVE_CONFIG overrides the config.
+#     bytes, text identical to stock float32's; and vLLM's suffix-decoding drafter
+#     (--speculative-config '{"method": "suffix", ...}', lossless: the target verifies every
+#     draft), which Arctic Inference provides: built into .venv on first use
+#     (scripts/install-suffix-decoding.sh, about a minute).
+# A --dtype of your own picks the config for that dtype; ADAPTIVE_CONFIG overrides the config
+# (and then no drafter is added unless ADAPTIVE_DRAFTS asks); a --speculative-config of your own
+# replaces the drafter.
 # Env:   ADAPTIVE_MODEL         a model `vllm-adaptive models list` names (default
 #                               smollm2-135m-instruct; also its served name)
 #        ADAPTIVE_CONFIG        --additional-config JSON (default: see above);
@@ -21,6 +26,8 @@
 #        VLLM_PLUGINS           vLLM's plugin allowlist (default: the plugin's three entry
 #                               points, which turns on GET /v1/adaptive/requests/{tag}; set it
 #                               to your own list, or to "" for stock vLLM)
+#        ADAPTIVE_DRAFTS        "suffix" or "none": vLLM's suffix drafter on or off (default:
+#                               on with the float32 default config above, off otherwise)
 #        VLLM_CPU_KVCACHE_SPACE CPU KV cache size in GiB (default: 4)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,8 +46,9 @@ fi
 # The dtype: the user's --dtype, else the fastest stock dtype of this CPU.
 dtype=""
 prev=""
+users_spec=""
 for a in "$@"; do
-    case "$a" in --dtype=*) dtype=${a#--dtype=} ;; esac
+    case "$a" in --dtype=*) dtype=${a#--dtype=} ;; --speculative-config*|-sc|-sc=*) users_spec=1 ;; esac
     [ "$prev" = "--dtype" ] && dtype=$a
     prev=$a
 done
@@ -61,12 +69,41 @@ case "$dtype" in
 esac
 config=${ADAPTIVE_CONFIG:-$default_config}
 model=${ADAPTIVE_MODEL:-smollm2-135m-instruct}
+# The drafter: vLLM's suffix decoding where bench-serve measured it paying with text identical
+# to stock's (the float32 default: drafts verified in float32 keep stock's greedy text; in bf16
+# a verify step of several tokens rounds differently), its global cache off as measured.
+drafts=${ADAPTIVE_DRAFTS:-}
+if [ -z "$drafts" ]; then
+    drafts=none
+    [ -z "${ADAPTIVE_CONFIG:-}" ] && [ "$config" = "$default_config" ] && \
+        case "$dtype" in float32|float) drafts=suffix ;; esac
+fi
+case "$drafts" in
+    suffix|none) ;;
+    *) echo "[serve.sh] ADAPTIVE_DRAFTS must be \"suffix\" or \"none\", got \"$drafts\"" >&2; exit 2 ;;
+esac
+[ -n "$users_spec" ] && drafts=none  # the user's own --speculative-config
+suffix_spec='{"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}'
+spec=none
+[ "$drafts" = suffix ] && spec=$suffix_spec
 if [ -n "${SERVE_DRY_RUN:-}" ]; then  # what would be served, without serving it (tests)
-    printf 'dtype %s\nconfig %s\nmodel %s\n' "$dtype" "$config" "$model"
+    printf 'dtype %s\nconfig %s\nmodel %s\nspec %s\n' "$dtype" "$config" "$model" "$spec"
     exit 0
 fi
 
 bash "$root/scripts/setup-venv.sh"
+spec_args=()
+if [ "$spec" != none ]; then
+    if ! "$root/.venv/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+        echo "[serve.sh] building Arctic Inference's suffix decoding for the drafter (about a minute)" >&2
+        bash "$root/scripts/install-suffix-decoding.sh" >&2 || {
+            echo "[serve.sh] could not build Arctic Inference: serving WITHOUT drafts" \
+                "(ADAPTIVE_DRAFTS=none silences this)" >&2
+            spec=none
+        }
+    fi
+    [ "$spec" != none ] && spec_args=(--speculative-config "$spec")
+fi
 dir=$("$root/.venv/bin/vllm-adaptive" models prepare "$model" | tail -n 1)
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 # vLLM loads endpoint plugins (the per-request route) only when VLLM_PLUGINS names them, and
@@ -75,5 +112,6 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 export VLLM_PLUGINS=${VLLM_PLUGINS-vllm_adaptive,vllm_adaptive_metrics,vllm_adaptive_routes}
 
 cmd=("$root/.venv/bin/vllm" serve "$dir" --served-model-name "$model"
-     ${dtype_args[@]+"${dtype_args[@]}"} --additional-config "$config" "$@")
+     ${dtype_args[@]+"${dtype_args[@]}"} --additional-config "$config"
+     ${spec_args[@]+"${spec_args[@]}"} "$@")
 exec "${cmd[@]}"

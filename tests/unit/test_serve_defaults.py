@@ -1,6 +1,7 @@
 """``scripts/serve.sh`` picks what the online bench measured fastest at equal output: the
 checkpoint's bf16 with the mechanisms off where the CPU has native bf16, float32 with the fixed
-fp16 gear elsewhere; a user's --dtype picks the config for that dtype; ADAPTIVE_CONFIG wins."""
+fp16 gear and vLLM's suffix drafter elsewhere; a user's --dtype picks the config for that dtype;
+ADAPTIVE_CONFIG and a user's --speculative-config win."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 
 SERVE = Path(__file__).resolve().parents[2] / "scripts" / "serve.sh"
 FP16 = {"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}
 
 
-def _decide(*args: str, **env: str) -> tuple[str, dict]:
-    full = {k: v for k, v in os.environ.items() if k not in ("ADAPTIVE_CONFIG",)}
+def _serve_dry(*args: str, **env: str) -> dict[str, str]:
+    full = {k: v for k, v in os.environ.items() if k not in ("ADAPTIVE_CONFIG", "ADAPTIVE_DRAFTS")}
     out = subprocess.run(
         ["bash", str(SERVE), *args],
         env={**full, "SERVE_DRY_RUN": "1", **env},
@@ -25,8 +27,17 @@ def _decide(*args: str, **env: str) -> tuple[str, dict]:
         check=True,
         timeout=30,
     ).stdout.splitlines()
-    fields = dict(line.split(" ", 1) for line in out)
+    return dict(line.split(" ", 1) for line in out)
+
+
+def _decide(*args: str, **env: str) -> tuple[str, dict]:
+    fields = _serve_dry(*args, **env)
     return fields["dtype"], json.loads(fields["config"])
+
+
+def _spec(*args: str, **env: str) -> dict | None:
+    spec = _serve_dry(*args, **env)["spec"]
+    return None if spec == "none" else json.loads(spec)
 
 
 @pytest.mark.parametrize(
@@ -50,6 +61,32 @@ def test_users_dtype_and_config_win() -> None:
     )
     mine = {"adaptive": {"precision": {"policy": "gearbx"}}}
     assert _decide(ADAPTIVE_CONFIG=json.dumps(mine), **avx2) == ("float32", mine)
+
+
+def test_suffix_drafts_with_the_float32_default_only() -> None:
+    """Drafts where bench-serve measured them paying at stock's text (float32, the fp16 gear);
+    not on bf16, not under a config of the user's unless asked, never over their own drafter."""
+    avx2 = {"SERVE_CPU_FLAGS": "avx2"}
+    assert _spec(**avx2) == SUFFIX
+    assert _spec("--dtype", "float32", SERVE_CPU_FLAGS="amx_bf16") == SUFFIX
+    assert _spec(SERVE_CPU_FLAGS="amx_bf16") is None
+    mine = json.dumps({"adaptive": {"precision": {"policy": "gearbx"}}})
+    assert _spec(ADAPTIVE_CONFIG=mine, **avx2) is None
+    assert _spec(ADAPTIVE_CONFIG=mine, ADAPTIVE_DRAFTS="suffix", **avx2) == SUFFIX
+    assert _spec(ADAPTIVE_DRAFTS="none", **avx2) is None
+    assert _spec("--speculative-config", '{"method": "ngram"}', **avx2) is None
+
+
+def test_bad_drafts_setting_is_refused() -> None:
+    out = subprocess.run(
+        ["bash", str(SERVE)],
+        env={**os.environ, "SERVE_DRY_RUN": "1", "ADAPTIVE_DRAFTS": "eagle"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert 'ADAPTIVE_DRAFTS must be "suffix" or "none", got "eagle"' in out.stderr
 
 
 def test_adaptive_model_picks_the_checkpoint() -> None:
