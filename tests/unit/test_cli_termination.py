@@ -19,8 +19,8 @@ from vllm_adaptive.bench.servers import stop_group
 if sys.argv[1] == "handlers":
     exit_on_termination()
 child = subprocess.Popen(["sleep", "300"], start_new_session=True)
-print(child.pid, flush=True)
 try:
+    print(child.pid, flush=True)  # inside the try: a signal right after it still cleans up
     time.sleep(300)
 finally:
     stop_group(child)
@@ -37,14 +37,14 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ", 1)[1][0] != "Z"
 
 
-def _terminate_parent(mode: str) -> tuple[int, int]:
+def _terminate_parent(mode: str, settle_s: float) -> tuple[int, int]:
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, mode], stdout=subprocess.PIPE, text=True
     )
     child = int(parent.stdout.readline())
     parent.send_signal(signal.SIGTERM)
     rc = parent.wait(timeout=30)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + settle_s
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     return rc, child
@@ -52,7 +52,7 @@ def _terminate_parent(mode: str) -> tuple[int, int]:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_sigterm_stops_the_commands_children() -> None:
-    rc, child = _terminate_parent("handlers")
+    rc, child = _terminate_parent("handlers", settle_s=10)
     assert rc == 128 + signal.SIGTERM
     assert not _alive(child)
 
@@ -60,7 +60,7 @@ def test_sigterm_stops_the_commands_children() -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_without_the_handlers_the_child_is_orphaned() -> None:
     """Negative control: Python's default SIGTERM skips the cleanup and leaves the child."""
-    rc, child = _terminate_parent("default")
+    rc, child = _terminate_parent("default", settle_s=1)
     try:
         assert rc == -signal.SIGTERM
         assert _alive(child)
