@@ -75,7 +75,9 @@ model=${ADAPTIVE_MODEL:-smollm2-135m-instruct}
 drafts=${ADAPTIVE_DRAFTS:-}
 if [ -z "$drafts" ]; then
     drafts=none
+    # (not for stock vLLM, VLLM_PLUGINS="": serve.sh then serves what vLLM alone would)
     [ -z "${ADAPTIVE_CONFIG:-}" ] && [ "$config" = "$default_config" ] && \
+        [ "${VLLM_PLUGINS-unset}" != "" ] && \
         case "$dtype" in float32|float) drafts=suffix ;; esac
 fi
 case "$drafts" in

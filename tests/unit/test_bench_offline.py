@@ -31,7 +31,8 @@ def test_command_is_stock_without_config_and_plugin_with_it(tmp_path: Path) -> N
     cmd = offline.throughput_command(gear, *args)
     cfg = json.loads(cmd[cmd.index("--additional-config") + 1])
     assert cfg == {"adaptive": {"precision": {"policy": "fixed"}}} and "--x" in cmd
-    assert servers.serve_env(stock) == {"VLLM_PLUGINS": ""}  # what the run's env adds
+    # what the run's env adds
+    assert servers.serve_env(stock) == {"VLLM_PLUGINS": "", "ADAPTIVE_DRAFTS": "none"}
 
 
 def test_output_throughput_counts_output_tokens_only() -> None:

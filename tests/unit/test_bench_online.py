@@ -4,6 +4,8 @@ concurrency, agreement, the report (the bench itself runs servers: `vllm-adaptiv
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 
@@ -54,21 +56,28 @@ def test_server_from_another_commit(tmp_path, monkeypatch) -> None:
 
 def test_stock_is_really_stock_and_plugin_is_on() -> None:
     stock = servers.ServerSpec("stock", "float32")
-    assert servers.serve_env(stock) == {"VLLM_PLUGINS": ""}
+    assert servers.serve_env(stock) == {"VLLM_PLUGINS": "", "ADAPTIVE_DRAFTS": "none"}
     on = servers.serve_env(servers.ServerSpec("p", "float32", {"precision": None}))
-    assert on["VLLM_PLUGINS"] == servers.PLUGINS_ON
+    assert on["VLLM_PLUGINS"] == servers.PLUGINS_ON and on["ADAPTIVE_DRAFTS"] == "none"
     assert json.loads(on["ADAPTIVE_CONFIG"]) == {"adaptive": {"precision": None}}
     peer = servers.parse_server_spec(
         '{"label": "w8a8", "dtype": "bfloat16", "model": "smollm2-135m-instruct-w8a8"}'
     )
     assert peer.stock and servers.serve_env(peer) == {
         "VLLM_PLUGINS": "",
+        "ADAPTIVE_DRAFTS": "none",
         "ADAPTIVE_MODEL": "smollm2-135m-instruct-w8a8",
     }
     client = serve_client.client_command("u", "d", "p", 1, 2, 3, "r", "n", peer.model)
     assert client[client.index("--model") + 1] == "smollm2-135m-instruct-w8a8"
     cmd = servers.serve_command(stock, 1234)
     assert cmd[1].endswith("scripts/serve.sh") and cmd[cmd.index("--dtype") + 1] == "float32"
+    # serve.sh itself, under the bench's environment: no drafter a spec did not name (its
+    # float32 default adds vLLM's suffix drafter)
+    for spec in (stock, servers.ServerSpec("fp16", "float32", {"precision": {"gear": "fp16"}})):
+        env = {**os.environ, **servers.serve_env(spec), "SERVE_DRY_RUN": "1"}
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        assert "spec none" in out.splitlines(), out
 
 
 def test_defaults_follow_the_isa() -> None:

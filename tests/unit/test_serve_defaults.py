@@ -18,7 +18,11 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_
 
 
 def _serve_dry(*args: str, **env: str) -> dict[str, str]:
-    full = {k: v for k, v in os.environ.items() if k not in ("ADAPTIVE_CONFIG", "ADAPTIVE_DRAFTS")}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ADAPTIVE_CONFIG", "ADAPTIVE_DRAFTS", "VLLM_PLUGINS")
+    }
     out = subprocess.run(
         ["bash", str(SERVE), *args],
         env={**full, "SERVE_DRY_RUN": "1", **env},
@@ -70,6 +74,7 @@ def test_suffix_drafts_with_the_float32_default_only() -> None:
     assert _spec(**avx2) == SUFFIX
     assert _spec("--dtype", "float32", SERVE_CPU_FLAGS="amx_bf16") == SUFFIX
     assert _spec(SERVE_CPU_FLAGS="amx_bf16") is None
+    assert _spec(VLLM_PLUGINS="", **avx2) is None  # stock vLLM through serve.sh
     mine = json.dumps({"adaptive": {"precision": {"policy": "gearbx"}}})
     assert _spec(ADAPTIVE_CONFIG=mine, **avx2) is None
     assert _spec(ADAPTIVE_CONFIG=mine, ADAPTIVE_DRAFTS="suffix", **avx2) == SUFFIX

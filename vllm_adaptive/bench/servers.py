@@ -242,13 +242,15 @@ def serve_command(spec: ServerSpec, port: int) -> list[str]:
 
 
 def serve_env(spec: ServerSpec) -> dict[str, str]:
-    """What the server's environment changes: the plugin off entirely for stock."""
+    """What the server's environment changes: the plugin off entirely for stock; no drafter
+    but the spec's own (``serve_args``), whatever ``scripts/serve.sh`` adds by default."""
     model = {} if spec.model == SERVED_NAME else {"ADAPTIVE_MODEL": spec.model}
+    base = {"ADAPTIVE_DRAFTS": "none", **model}
     if spec.stock:
-        return {"VLLM_PLUGINS": "", **model}
+        return {"VLLM_PLUGINS": "", **base}
     config = json.dumps({"adaptive": spec.adaptive})
     code = {} if spec.code is None else {"PYTHONPATH": str(code_checkout(spec.code))}
-    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": config, **model, **code}
+    return {"VLLM_PLUGINS": PLUGINS_ON, "ADAPTIVE_CONFIG": config, **base, **code}
 
 
 @dataclass
