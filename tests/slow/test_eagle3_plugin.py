@@ -109,3 +109,28 @@ def test_hybrid_without_a_learned_drafter_refused_at_start(
         )
     out = "".join(capfd.readouterr())
     assert "adaptive.hybrid mixes lookup drafts into vLLM's learned drafter" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_vllm_lookup_drafters_on_the_fp16_gear_identical_to_stock(
+    model_dir: Path, stock_f32: dict, method: str
+) -> None:
+    """serve.sh's float32 default: the fixed fp16 gear under vLLM's own suffix drafter (ngram,
+    which needs no extra package, the same path): drafts verified in float32, greedy output
+    identical to stock float32's, drafts really accepted."""
+    if method == "suffix":
+        pytest.importorskip("arctic_inference", reason="bash scripts/install-suffix-decoding.sh")
+        spec = {"method": "suffix", "num_speculative_tokens": 8}
+        spec["suffix_decoding_max_cached_requests"] = 0
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    fp16 = {"precision": {"policy": "fixed", "gear": "fp16"}}
+    llm = make_llm(model_dir, {"adaptive": fp16}, dtype="float32", speculative_config=spec)
+    try:
+        got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    finally:
+        shutdown(llm)
+    assert accepted > 10, accepted
+    for key, seqs in got.items():
+        assert seqs == stock_f32["spec_mixed"][key], key
