@@ -8,8 +8,8 @@ shape and token count by :mod:`vllm_adaptive.kernels.autotune`, measured on the 
   weight, called through ``_quantized::wrapped_fbgemm_linear_fp16_weight``: the op inductor
   lowers fp16 weights to, the same FBGEMM call as ``quantized::linear_dynamic_fp16`` and bit-
   identical to it, but on a plain packed tensor rather than a TorchScript object, 45 us less
-  per call at 576 x 576 and one token on an AVX2 EPYC: 24 against 69 us) and ``reference`` (``F.linear`` on the weight cast
-  back to float32: the same products, any machine).
+  per call at 576 x 576 and one token on an AVX2 EPYC: 24 against 69 us) and ``reference``
+  (``F.linear`` on the weight cast back to float32: the same products, any machine).
 - :class:`W8A8Weight`: int8 weights, one symmetric scale per output row, and int8 activations
   with one symmetric scale per *token* computed at run time (SmoothQuant's W8A8 with dynamic
   per-token activation scales). An optional smoothing vector ``s`` (SmoothQuant section 4:
