@@ -261,6 +261,13 @@ class Started:
     proc: subprocess.Popen = field(repr=False)
 
 
+def default_sigint() -> None:
+    """Run in a server's process before exec: SIGINT back to its default, which a process
+    inherits as ignored when started from a shell's background job (or a pytest-xdist worker),
+    so that :func:`stop_group`'s SIGINT stops the server rather than waiting for SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGINT to the server's whole process group, then SIGKILL: no engine process outlives it."""
     try:
@@ -304,6 +311,7 @@ def serving(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=default_sigint,
         )
     try:
         while _get(f"{url}/health") != 200:
