@@ -15,10 +15,10 @@ import pytest
 PARENT = """
 import subprocess, sys, time
 from vllm_adaptive.cli import exit_on_termination
-from vllm_adaptive.bench.servers import default_sigint, stop_group
+from vllm_adaptive.bench.servers import start_group, stop_group
 if sys.argv[1] == "handlers":
     exit_on_termination()
-child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=default_sigint)
+child = start_group(["sleep", "300"])
 try:
     print(child.pid, flush=True)  # inside the try: a signal right after it still cleans up
     time.sleep(300)

@@ -30,6 +30,7 @@ from vllm_adaptive.bench.servers import (
     abba,
     engine_init,
     serve_env,
+    start_group,
     stop_group,
 )
 
@@ -92,9 +93,7 @@ def output_throughput(result: dict[str, Any], output_len: int) -> float:
 
 def _run_one(cmd: list[str], env: dict[str, str], log: Path, result: Path) -> dict[str, Any]:
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        proc = start_group(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             rc = proc.wait(timeout=THROUGHPUT_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -262,10 +262,15 @@ class Started:
 
 
 def default_sigint() -> None:
-    """Run in a server's process before exec: SIGINT back to its default, which a process
+    """Run in a started process before exec: SIGINT back to its default, which a process
     inherits as ignored when started from a shell's background job (or a pytest-xdist worker),
-    so that :func:`stop_group`'s SIGINT stops the server rather than waiting for SIGKILL."""
+    so that :func:`stop_group`'s SIGINT stops it rather than waiting for SIGKILL."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_group(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """``cmd`` in a process group of its own, which :func:`stop_group` stops whole."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=default_sigint, **popen)
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -305,14 +310,7 @@ def serving(
         env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=default_sigint,
-        )
+        proc = start_group(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         while _get(f"{url}/health") != 200:
             if proc.poll() is not None:
