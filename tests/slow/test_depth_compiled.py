@@ -47,6 +47,8 @@ def test_budget_one_is_stock_text(compiled_depth_llm, stock_f32_identity: dict) 
     got = run_workloads(compiled_depth_llm, ["identity"])["identity"]
     eng = compiled_depth_llm.apply_model(depth_telemetry)[0]["engine"]
     assert set(eng["exit_tokens"]) == {"30"} and eng["decode_tokens"] >= len(PROMPTS)
+    # no row could exit: every step ran the stack as one graph, none block by block
+    assert eng["whole_stack_steps"] == eng["steps"] and eng["peels"] == 0
     assert got["alone"] == stock_f32_identity["identity"]["alone"]
 
 

@@ -1,4 +1,4 @@
-"""Decoder blocks compiled one at a time (models/compiled_blocks.py), on blocks shaped like
+"""Decoder blocks compiled one at a time and as one stack (models/compiled_blocks.py), on blocks shaped like
 vLLM's: ``block(positions, hidden, residual) -> (hidden, residual)``, a first block without a
 residual, per-head views (which make the many-token graph exclude one token) and a constant
 of each block's own (as vLLM's attention layer name is) that a shared graph would get wrong."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_adaptive.models.compiled_blocks import CompiledBlock
+from vllm_adaptive.models.compiled_blocks import CompiledSpan
 
 HIDDEN, HEADS = 32, 4
 
@@ -51,7 +51,7 @@ def _run(blocks, positions, hidden):
 def test_compiled_blocks_match_eager_at_every_token_count_without_recompiling() -> None:
     torch.manual_seed(0)
     eager = [ToyBlock(i).eval() for i in range(3)]
-    compiled = [CompiledBlock(b, f"toy_block_{i}") for i, b in enumerate(eager)]
+    compiled = [CompiledSpan((b,), f"toy_block_{i}") for i, b in enumerate(eager)]
     with torch.inference_mode():
         pos, h = _inputs(9, 0)
         residual = None
@@ -76,7 +76,7 @@ def test_blocks_of_one_class_keep_graphs_of_their_own() -> None:
     torch.manual_seed(1)
     a, b = ToyBlock(0).eval(), ToyBlock(5).eval()
     b.load_state_dict(a.state_dict())  # same weights: only the constant differs
-    ca, cb = CompiledBlock(a, "toy_same_0"), CompiledBlock(b, "toy_same_5")
+    ca, cb = CompiledSpan((a,), "toy_same_0"), CompiledSpan((b,), "toy_same_5")
     with torch.inference_mode():
         pos, h = _inputs(4, 3)
         ya, _ = ca.warm_up(pos, h, None)
@@ -89,7 +89,7 @@ def test_two_engines_blocks_of_one_name_keep_their_own_graphs() -> None:
     """Two engines in one process name their blocks alike; each must still run its own."""
     torch.manual_seed(2)
     a, b = ToyBlock(1).eval(), ToyBlock(2).eval()
-    ca, cb = CompiledBlock(a, "toy_twin"), CompiledBlock(b, "toy_twin")
+    ca, cb = CompiledSpan((a,), "toy_twin"), CompiledSpan((b,), "toy_twin")
     with torch.inference_mode():
         pos, h = _inputs(3, 4)
         ca.warm_up(pos, h, None)  # the first engine compiles first
@@ -103,3 +103,26 @@ def test_two_engines_blocks_of_one_name_keep_their_own_graphs() -> None:
             torch.testing.assert_close(
                 cb(pos, h, None)[0], b(pos, h, None)[0], rtol=1e-4, atol=1e-5
             )
+
+
+def test_a_span_of_blocks_is_one_graph_equal_to_its_blocks_run_eagerly() -> None:
+    """The whole stack as one graph (steps with nothing to decide between blocks): the same
+    output as the blocks one by one at every token count, with each block's own constant."""
+    torch.manual_seed(3)
+    eager = [ToyBlock(i).eval() for i in range(4)]
+    stack = CompiledSpan(eager, "toy_stack")
+    with torch.inference_mode():
+        pos, h = _inputs(7, 5)
+        stack.warm_up(pos, h, None)
+        assert stack.direct and stack.compile_seconds is not None
+        frames = torch._dynamo.utils.counters["frames"]["ok"]
+        for n in (1, 3, 17):
+            pos, h = _inputs(n, n + 20)
+            want = _run(eager, pos, h)
+            got = stack(pos, h, None)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+        assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+        # a stack that dropped or repeated a block would not match (the check can fail)
+        short = _run(eager[:3], pos, h)
+        assert not torch.allclose(stack(pos, h, None)[0], short[0])

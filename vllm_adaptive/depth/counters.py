@@ -21,6 +21,7 @@ class EngineCounters(DecodeDepthStats):
     recomputed_kv: int = 0  # token-layers resumed from exit states (recompute)
     masked_steps: int = 0  # steps where some cached slot was masked at some layer
     peels: int = 0
+    whole_stack_steps: int = 0  # steps with nothing to decide: every layer as one call
     accelerated_rows: int = 0  # (decode token, gate interval) accelerated streams computed
     accelerated_token_layers: int = 0  # decode token-layers run on the accelerated stream
     arla_exits: int = 0  # decode tokens that exited by ARLA (emitting the accelerated state)

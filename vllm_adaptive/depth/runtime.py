@@ -180,7 +180,8 @@ class DepthRuntime:
     def block_compile_seconds(self) -> float | None:
         """Seconds the decoder blocks spent compiling (at vLLM's warm-up); None when they run
         eagerly or have not all compiled yet."""
-        seconds = [getattr(layer.compiled, "compile_seconds", None) for layer in self.parts.layers]
+        graphs = [layer.compiled for layer in self.parts.layers] + [self.parts.compiled_stack]
+        seconds = [getattr(graph, "compile_seconds", None) for graph in graphs]
         if any(s is None for s in seconds):
             return None
         return float(sum(seconds))
@@ -365,6 +366,12 @@ class DepthRuntime:
         fusion_layers = set(self.fusion.layers) if step_fusion is not None else set()
         fused = False  # queries are no longer contiguous: publish their positions
         stash: AcceleratedStash | None = None  # ARLA: the accelerated states of this interval
+        if not probing and not fusion_layers:
+            # nothing to decide between blocks: the whole stack in one graph
+            counters.whole_stack_steps += 1
+            h, res = parts.run_stack(pos, h, res)
+            final, _ = parts.final_norm(h, res)
+            return final, depth
         for i, layer in enumerate(parts.layers):
             count = i + 1
             if self.accelerated is not None and any_exit and rows.numel() > 0:
@@ -521,6 +528,7 @@ class DepthRuntime:
             "prefills_with_context": c.prefills_with_context,
             "backfilled_kv": c.backfilled_kv,
             "peels": c.peels,
+            "whole_stack_steps": c.whole_stack_steps,
             "accelerated_rows": c.accelerated_rows,
             "accelerated_token_layers": c.accelerated_token_layers,
             "arla_exits": c.arla_exits,

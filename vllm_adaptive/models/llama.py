@@ -167,13 +167,17 @@ class AdaptiveLlamaModel(LlamaModel):
         With depth on it runs the runtime's blocks, so vLLM's warm-up compiles them."""
         runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
         if runtime is not None and not extra_layer_kwargs:
-            warm_up = runtime.block_compile_seconds() is None and attention_skipped()
-            for layer in runtime.parts.layers:
-                if warm_up and layer.compiled is not None:
-                    hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
-                else:
-                    hidden, residual = layer.run_block(positions, hidden, residual)
-            return hidden, residual
+            parts = runtime.parts
+            if runtime.block_compile_seconds() is None and attention_skipped():
+                if parts.compiled_stack is not None:
+                    parts.compiled_stack.warm_up(positions, hidden, residual)
+                for layer in parts.layers:
+                    if layer.compiled is not None:
+                        hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
+                    else:
+                        hidden, residual = layer.run_block(positions, hidden, residual)
+                return hidden, residual
+            return parts.run_stack(positions, hidden, residual)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
         return hidden, residual
