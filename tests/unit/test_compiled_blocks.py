@@ -1,7 +1,8 @@
-"""Decoder blocks compiled one at a time and as one stack (models/compiled_blocks.py), on blocks shaped like
-vLLM's: ``block(positions, hidden, residual) -> (hidden, residual)``, a first block without a
-residual, per-head views (which make the many-token graph exclude one token) and a constant
-of each block's own (as vLLM's attention layer name is) that a shared graph would get wrong."""
+"""Decoder blocks compiled one at a time and as one stack (models/compiled_blocks.py), on
+blocks shaped like vLLM's: ``block(positions, hidden, residual) -> (hidden, residual)``, a
+first block without a residual, per-head views (which make the many-token graph exclude one
+token) and a constant of each block's own (as vLLM's attention layer name is) that a shared
+graph would get wrong."""
 
 from __future__ import annotations
 
