@@ -307,6 +307,38 @@ def test_loss_decreases_on_a_fixed_batch(target: Path) -> None:
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+def test_target_pass_in_row_chunks_equals_one_pass(
+    target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wide shards (a GPU's generation batches) run the teacher-forced pass in row chunks
+    under a logits budget: the result must be the one-pass result, row for row."""
+    _, model = _head(target)
+    tokens = torch.randint(3, 51, (5, 16))
+    whole = edata.target_pass(model, tokens, [1, 2, 3], 8)
+    # two rows of logits per chunk: chunks of 2, 2 and 1 rows
+    monkeypatch.setattr(edata, "PASS_LOGIT_BYTES", 2 * 16 * model.config.vocab_size * 4)
+    chunked = edata.target_pass(model, tokens, [1, 2, 3], 8)
+    assert set(chunked) == set(whole)
+    for k in whole:
+        assert chunked[k].shape == whole[k].shape and chunked[k].device.type == "cpu"
+        torch.testing.assert_close(chunked[k], whole[k], rtol=1e-3, atol=1e-3)
+    assert not torch.equal(chunked["aux"][0], chunked["aux"][1])  # rows are not repeated
+
+
+def test_train_device_resolution() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert edata.train_device("auto").type == expected
+    assert edata.train_device("cpu").type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ed.DraftTrainError, match="no GPU"):
+            edata.train_device("cuda")
+    with pytest.raises(ed.DraftTrainError, match="--device"):
+        edata.train_device("tpu")
+    cuda = torch.device("cuda")
+    assert edata.compute_dtype("auto", cuda) == torch.bfloat16  # no CPU flag decides a GPU's
+    assert edata.compute_dtype("float32", cuda) == torch.float32
+
+
 # -- the command end to end: data cache, resume, the saved head -------------------------------
 def _opts(target: Path, corpus: Path, out: Path, **kw) -> DraftTrainOptions:
     base = dict(
@@ -397,6 +429,7 @@ def test_greedy_source_trains_on_the_targets_own_continuations(
     assert not torch.equal(toks[:, 1:8], top1[:, :7].long())
     meta = json.loads((out / e3.MARKER).read_text())
     assert "greedy continuations" in meta["recipe"] and meta["compute_dtype"] == "float32"
+    assert isinstance(meta["device"], str) and meta["device"]  # where it was trained
     with pytest.raises(ed.DraftTrainError, match="--gen-prompt-len"):
         te.train(_opts(target, corpus, tmp_path / "bad", data_source="greedy", gen_prompt_len=32))
 
@@ -441,6 +474,7 @@ def test_cli_parses_train_draft() -> None:
     assert opts.corpus == ["a", "b"] and opts.aux_layers == [2, 15, 27]
     assert opts.draft_vocab == 8192 and opts.ttt_steps == 3 and opts.eval_k == 3
     assert opts.data_source == "text" and opts.compute_dtype == "auto" and opts.head_layers == 1
+    assert opts.device == "auto"
 
 
 def test_early_stop_keeps_the_best_head_and_stays_stopped(

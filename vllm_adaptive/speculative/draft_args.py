@@ -23,6 +23,9 @@ class DraftTrainOptions:
     gen_batch: int = 64
     #: target passes and head training: "auto" is bfloat16 where the CPU computes it natively
     compute_dtype: str = "auto"
+    #: where the target passes and the head's steps run: "auto" is cuda when torch sees a GPU
+    #: (the recipe is the same; a GPU only affords more data in the same minutes)
+    device: str = "auto"
     topk: int = 32
     draft_vocab: int = 8192
     #: target layers the head reads (default: vLLM's (2, L // 2, L - 3))
@@ -104,6 +107,13 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
         help="target passes and head matmuls (autocast; weights and optimizer stay float32); "
         "auto: bfloat16 where the CPU has avx512_bf16 or amx_bf16, else float32",
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default=d.device,
+        help="where the target passes and the head's training run; auto: cuda when torch "
+        "sees a GPU, else cpu (the same recipe on either)",
+    )
     p.add_argument("--topk", type=int, default=d.topk, help="target logits kept per position")
     p.add_argument(
         "--draft-vocab",
@@ -170,6 +180,7 @@ def options_from_args(args: argparse.Namespace) -> DraftTrainOptions:
         gen_prompt_len=args.gen_prompt_len,
         gen_batch=args.gen_batch,
         compute_dtype=args.compute_dtype,
+        device=args.device,
         topk=args.topk,
         draft_vocab=args.draft_vocab,
         aux_layers=args.aux_layers,

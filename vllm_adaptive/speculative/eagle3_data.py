@@ -48,16 +48,29 @@ def _aux(hidden_states, layers: list[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
+#: logits one target forward may hold (rows x seq x vocab, float32): wider shards (a GPU's
+#: generation batches) run their teacher-forced pass in row chunks under it
+PASS_LOGIT_BYTES = 4 << 30
+
+
 def target_pass(model, ids: torch.Tensor, layers: list[int], topk: int) -> dict[str, torch.Tensor]:
-    """One teacher-forced pass of the target: aux states (bf16), top-k logits, greedy tokens."""
+    """The teacher-forced pass of the target over ``ids`` (on the model's device, in row chunks
+    whose logits fit :data:`PASS_LOGIT_BYTES`): aux states (bf16), top-k logits, greedy tokens,
+    returned on the CPU."""
+    rows = max(1, PASS_LOGIT_BYTES // (ids.shape[1] * model.config.vocab_size * 4))
+    parts = [_target_pass(model, ids[i : i + rows], layers, topk) for i in range(0, len(ids), rows)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _target_pass(model, ids: torch.Tensor, layers: list[int], topk: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
-        out = model(ids, output_hidden_states=True, use_cache=False)
+        out = model(ids.to(model.device), output_hidden_states=True, use_cache=False)
         vals, idx = out.logits.float().topk(topk, dim=-1)
         return {
-            "tokens": ids.to(torch.int32),
-            "aux": _aux(out.hidden_states, layers).to(torch.bfloat16),
-            "topk_ids": idx.to(torch.int32),
-            "topk_logits": vals.to(torch.float16),
+            "tokens": ids.to(torch.int32).cpu(),
+            "aux": _aux(out.hidden_states, layers).to(torch.bfloat16).cpu(),
+            "topk_ids": idx.to(torch.int32).cpu(),
+            "topk_logits": vals.to(torch.float16).cpu(),
         }
 
 
@@ -66,6 +79,7 @@ def greedy_continuations(
 ) -> dict[str, torch.Tensor]:
     """The target's greedy continuation of each prompt, with its KV cache (as served); the aux
     states come from the same passes. ``aux`` has a zero row for the last token (never read)."""
+    prompts = prompts.to(model.device)
     with torch.no_grad():
         out = model(prompts, use_cache=True, output_hidden_states=True)
         auxs = [_aux(out.hidden_states, layers)]
@@ -82,13 +96,17 @@ def greedy_continuations(
             seq.append(nxt[:, None])
         aux = torch.cat(auxs, dim=1)
         aux = torch.cat([aux, torch.zeros_like(aux[:, :1])], dim=1)
-        return {"tokens": torch.cat(seq, dim=1).to(torch.int32), "aux": aux.to(torch.bfloat16)}
+        return {
+            "tokens": torch.cat(seq, dim=1).to(torch.int32).cpu(),
+            "aux": aux.to(torch.bfloat16).cpu(),
+        }
 
 
 def self_windows(model, prompts: torch.Tensor, length: int) -> torch.Tensor:
     """Each prompt continued by the target's greedy tokens to ``length`` tokens: the contexts a
     greedy server drafts in (the target's own text, its repetitions included), rather than
-    human text."""
+    human text. Runs on the model's device; returns there."""
+    prompts = prompts.to(model.device)
     with torch.no_grad():
         out = model(prompts, use_cache=True)
         past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
@@ -112,13 +130,26 @@ class Eagle3Data:
     gen_tokens: int
 
 
-def compute_dtype(name: str) -> torch.dtype:
-    """``auto``: bfloat16 where the CPU computes it natively (there it is 2-2.5x faster for the
-    target pass and the head's step), float32 elsewhere (emulated bf16 is slower)."""
+def train_device(name: str) -> torch.device:
+    """``auto``: the GPU where torch sees one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise DraftTrainError(f"--device {name!r}: auto, cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DraftTrainError("--device cuda: torch sees no GPU here (torch.cuda.is_available())")
+    return torch.device(name)
+
+
+def compute_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU and where the CPU computes it natively (there it is 2-2.5x
+    faster for the target pass and the head's step), float32 elsewhere (emulated bf16 is
+    slower)."""
     if name == "auto":
         from vllm_adaptive.environment import cpu_flags, native_bf16
 
-        name = "bfloat16" if native_bf16(cpu_flags()) else "float32"
+        on_gpu = device is not None and device.type == "cuda"
+        name = "bfloat16" if on_gpu or native_bf16(cpu_flags()) else "float32"
     if name not in ("float32", "bfloat16"):
         raise DraftTrainError(f"--compute-dtype {name!r}: float32, bfloat16 or auto")
     return getattr(torch, name)

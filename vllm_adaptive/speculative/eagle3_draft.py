@@ -34,7 +34,8 @@ def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's rotary cache (``RotaryEmbedding._compute_cos_sin_cache``) at ``positions``."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / theta ** (steps / head_dim)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     return freqs.cos(), freqs.sin()
 

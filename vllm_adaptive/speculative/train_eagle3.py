@@ -63,6 +63,7 @@ function of seed and step). Metrics in ``OUT/train/metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -80,6 +81,7 @@ from vllm_adaptive.speculative.eagle3_data import (
     compute_dtype,
     data_spec,
     eval_valid,
+    train_device,
 )
 from vllm_adaptive.speculative.eagle3_draft import (
     DraftTrainError,
@@ -132,14 +134,19 @@ _RESUME_KEYS = (
 
 
 # -- training ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=gen)
+
+
 def batch_indices(step: int, batch: int, n: int, seed: int) -> torch.Tensor:
     """Window indices of step ``step``: a seeded permutation per epoch (a function of seed and
     step only, so --resume sees the same batches)."""
     idx = []
     for g in range(step * batch, (step + 1) * batch):
         epoch, pos = divmod(g, n)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        idx.append(int(torch.randperm(n, generator=gen)[pos]))
+        idx.append(int(_epoch_order(n, seed, epoch)[pos]))
     return torch.tensor(idx, dtype=torch.long)
 
 
@@ -194,14 +201,15 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         raise DraftTrainError(
             f"--gen-prompt-len {opts.gen_prompt_len}: want 1 to --seq-len - 1 ({opts.seq_len - 1})"
         )
-    dtype = compute_dtype(opts.compute_dtype)
+    device = train_device(opts.device)
+    dtype = compute_dtype(opts.compute_dtype, device)
     model = LlamaForCausalLM.from_pretrained(str(opts.model), dtype=dtype)
-    model.eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(opts.model))
     spec = data_spec(opts, fingerprint, layers)
     data = build_data(model, tok, opts, corpora, layers, work / DATA_DIR, spec)
     eos = tok.eos_token_id
-    target_state = {k: v.float() for k, v in model.state_dict().items()}
+    target_state = {k: v.float().cpu() for k, v in model.state_dict().items()}
     del model
 
     # draft vocabulary from the target's greedy tokens over the training data
@@ -220,6 +228,11 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     shapes = head_shapes(cfg)
     assert {n: tuple(t.shape) for n, t in head.state_dict().items()} == shapes
     del target_state
+    head.to(device)
+    draft_ids_dev, t2d_index = draft_ids.to(device), t2d_index.to(device)
+    if device.type == "cuda":  # the whole data set on the GPU: no host gather per step
+        data.tokens, data.aux = data.tokens.to(device), data.aux.to(device)
+        data.topk_ids, data.topk_logits = data.topk_ids.to(device), data.topk_logits.to(device)
 
     n = data.tokens.shape[0]
     steps = (
@@ -237,7 +250,8 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     }
     args_doc["steps"] = opts.steps
     valid = eval_valid(data.eval_tokens.long(), opts.eval_prompt_len, opts.eval_k, eos)
-    eval_tokens, eval_aux = data.eval_tokens.long(), data.eval_aux.float()
+    valid = valid.to(device)
+    eval_tokens, eval_aux = data.eval_tokens.long().to(device), data.eval_aux.float().to(device)
 
     metrics_path = work / METRICS_NAME
     ckpt_path = work / CHECKPOINT_NAME
@@ -246,7 +260,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     best: dict[str, Any] | None = None
     best_state: dict[str, torch.Tensor] | None = None
     if opts.resume and ckpt_path.is_file():
-        st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        st = torch.load(ckpt_path, map_location=device, weights_only=False)
         diff = [
             f"{k}: {st['args'].get(k)!r} -> {args_doc.get(k)!r}"
             for k in _RESUME_KEYS
@@ -257,7 +271,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         head.load_state_dict(st["model"])
         optimizer.load_state_dict(st["optimizer"])
         scheduler.load_state_dict(st["scheduler"])
-        torch.set_rng_state(st["rng"])
+        torch.set_rng_state(st["rng"].cpu())
         step, elapsed0, bad_evals = st["step"], st["elapsed_s"], st["bad_evals"]
         curve, best, best_state = st["curve"], st["best"], st["best_state"]
         stop = bool(st.get("early_stop", False))  # an early-stopped run stays stopped
@@ -273,7 +287,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     tokens_per_step = opts.batch * opts.seq_len
     # matmuls in bf16 where the CPU has it (AMX: about 2x a float32 step); master weights,
     # optimizer state and the loss stay float32
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     t0 = time.time() - elapsed0
 
     def log(rec: dict[str, Any]) -> None:
@@ -292,6 +306,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
             )
             + ", training-time test (vllm_adaptive/speculative/train_eagle3.py)",
             "compute_dtype": str(dtype).removeprefix("torch."),
+            "device": _device_name(device),
             "aux_layers": layers,
             "draft_vocab_size": opts.draft_vocab,
             "draft_vocab_greedy_coverage": covered,
@@ -322,7 +337,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         nonlocal best, best_state, bad_evals
         head.eval()
         with autocast:
-            rates = acceptance(head, eval_tokens, eval_aux, valid, draft_ids, opts.eval_k)
+            rates = acceptance(head, eval_tokens, eval_aux, valid, draft_ids_dev, opts.eval_k)
         head.train()
         rec = {
             "kind": "eval",
@@ -369,14 +384,19 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     bar = tqdm(total=steps, initial=step, desc="eagle3", unit="step", disable=not opts.progress)
     weights = [opts.ttt_decay**j for j in range(opts.ttt_steps)]
     while step < steps and not stop:
-        idx = batch_indices(step, opts.batch, n, opts.seed)
+        idx = batch_indices(step, opts.batch, n, opts.seed).to(data.tokens.device)
         toks = data.tokens[idx].long()
         with autocast:
             outs = head.ttt(toks, data.aux[idx].float(), opts.ttt_steps)
         losses, agrees = [], []
         for j, o in enumerate(outs):
             loss_j, agree_j = step_loss(
-                o.logits.float(), j, data.topk_ids[idx], data.topk_logits[idx], t2d_index, draft_ids
+                o.logits.float(),
+                j,
+                data.topk_ids[idx],
+                data.topk_logits[idx],
+                t2d_index,
+                draft_ids_dev,
             )
             losses.append(loss_j)
             agrees.append(float(agree_j))
@@ -425,6 +445,14 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         "data_seconds": data.gen_seconds,
         "train_seconds": time.time() - t0,
     }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from vllm_adaptive.bench.machine import cpuinfo
+
+    return str(cpuinfo()["cpu"])
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
