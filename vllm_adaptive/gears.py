@@ -43,6 +43,12 @@ GEARBX_GEARS: tuple[str, str, str] = ("int4", "int8", "full")  # bf16 / fp16 act
 #: stock float32's on every request at 1, 8 and 32 concurrent, at 1.2-1.7x the speed
 #: (docs/results.md), so a full-precision high gear only cost time.
 GEARBX_GEARS_F32: tuple[str, str, str] = ("w8a8", "fp16", "fp16")
+#: float32 activations on a CPU without an int8 dot product (no VNNI, no AMX: AVX2 only): every
+#: level fp16. There the W8A8 low gear buys nothing: through `vllm serve` on an AVX2 EPYC
+#: (2026-11-27) GEARBX with it ran at 0.94x / 0.97x / 0.95x of the fixed fp16 gear at 1 / 8 / 32
+#: requests and changed the text of 1 request in 8 (docs/results.md); oneDNN's and FBGEMM's int8
+#: GEMMs saturate without VNNI. One gear at every level means no routing and no entropy pass.
+GEARBX_GEARS_F32_NO_INT8_DOT: tuple[str, str, str] = ("fp16", "fp16", "fp16")
 #: bf16 / fp16 activations on a CPU with AMX: the low gear is W8A8 on vLLM's AMX int8 GEMM, a
 #: third to a half of stock's bf16 GEMM at 1-32 tokens; mid and high are the bf16 weight itself:
 #: W8A16 there (two activation planes, the residual's few ops in Python) cost as much as bf16 at

@@ -285,6 +285,10 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
         {"precision": {"policy": "gearbx", "gears": ["int4", "int8", "full"]}}
     ).precision
     assert explicit.for_dtype("float32").level_gears == ("int4", "int8", "full")
+    # no int8 dot product (AVX2 only): W8A8 measured slower than fp16 there, so fp16 everywhere
+    assert cfg.for_dtype("float32", int8_dot=False).level_gears == ("fp16", "fp16", "fp16")
+    assert cfg.for_dtype("bfloat16", int8_dot=False).level_gears == ("int4", "int8", "full")
+    assert explicit.for_dtype("float32", int8_dot=False).level_gears == ("int4", "int8", "full")
     smooth = {"policy": "gearbx", "smoothing": {"profile": "/p"}}
     cfg = parse_adaptive_config({"precision": smooth}).precision
     assert cfg.for_dtype("float32").smoothing.alpha == 0.5

@@ -16,6 +16,7 @@ from vllm_adaptive.gears import (
     GEARBX_GEARS,
     GEARBX_GEARS_AMX,
     GEARBX_GEARS_F32,
+    GEARBX_GEARS_F32_NO_INT8_DOT,
     QUICKSILVER_GEARS,
     Precision,
 )
@@ -201,16 +202,19 @@ class PrecisionConfig(_Strict):
             raise ValueError("quicksilver.tau_low must be below quicksilver.tau_high")
         return self
 
-    def for_dtype(self, dtype_name: str, amx_int8: bool = False) -> PrecisionConfig:
+    def for_dtype(
+        self, dtype_name: str, amx_int8: bool = False, int8_dot: bool = True
+    ) -> PrecisionConfig:
         """This config with the dtype- and machine-dependent defaults filled in (``dtype_name``:
         the model's activation dtype, e.g. "float32"; ``amx_int8``: the CPU runs vLLM's AMX
-        int8 GEMM, :func:`vllm_adaptive.kernels.float_linear.amx_int8_available`); errors name
-        the key."""
+        int8 GEMM, :func:`vllm_adaptive.kernels.float_linear.amx_int8_available`; ``int8_dot``:
+        the CPU has an int8 dot product, :func:`~vllm_adaptive.kernels.float_linear.
+        cpu_has_int8_dot`); errors name the key."""
         update: dict[str, Any] = {}
         half = dtype_name != "float32"
         if self.gears is None and self.policy == "gearbx":
             if not half:
-                update["gears"] = GEARBX_GEARS_F32
+                update["gears"] = GEARBX_GEARS_F32 if int8_dot else GEARBX_GEARS_F32_NO_INT8_DOT
             elif amx_int8:
                 update["gears"] = GEARBX_GEARS_AMX
         if half and self.head_gears is None and "lm_head" in self.modules:

@@ -45,10 +45,10 @@ def install_precision(
     largest token count worth measuring)."""
     parts = model.adaptive_parts()
     dtype_name = str(parts.head.weight.dtype).removeprefix("torch.")
-    from vllm_adaptive.kernels.float_linear import amx_int8_available
+    from vllm_adaptive.kernels.float_linear import amx_int8_available, cpu_has_int8_dot
 
     try:
-        cfg = cfg.for_dtype(dtype_name, amx_int8=amx_int8_available())
+        cfg = cfg.for_dtype(dtype_name, amx_int8=amx_int8_available(), int8_dot=cpu_has_int8_dot())
     except ValueError as e:
         raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
     num_layers = parts.num_layers
@@ -107,6 +107,17 @@ def install_precision(
 
     autotune.table().save()
     controller.geared = geared
+    one = {p for m in maps for p in m[:3]}
+    if policy.reads_entropy and len(one) == 1:
+        controller.routes = False
+        logger.info(
+            "vllm-adaptive: every %s level runs %s on this %s engine: no routing and no "
+            "entropy pass (a fixed %s gear; per-request pins still apply)",
+            policy.name,
+            *one,
+            dtype_name,
+            *one,
+        )
     register_listener("precision", controller)  # fed each step's batch changes
     logger.info(
         "vllm-adaptive: %d linears geared (%s tiers, %s routing, policy %s%s) in %.1f s; "

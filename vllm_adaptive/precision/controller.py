@@ -104,6 +104,9 @@ class PrecisionController:
         self.plan: GearStepPlan | None = None
         self.geared: list = []  # the engine's GearedLinears (models/precision.py fills it)
         self._uniform_code: int | None = None  # the code every geared linear's fast call runs
+        #: False when every level runs one precision (install_precision decides): routing
+        #: cannot change a token, so no entropy pass, no prompt decode, no calibration
+        self.routes = True
         self.finished: list[dict[str, Any]] = []
         self.max_finished = 4096
         self.requests_seen = 0
@@ -138,7 +141,7 @@ class PrecisionController:
             pinned = OFF
         elif overrides.gear is not None:
             pinned = LEVEL_NAMES.index(overrides.gear)
-        reads = pinned is None and self.policy.reads_prompt()
+        reads = pinned is None and self.routes and self.policy.reads_prompt()
         state = self.policy.start(self._prompt_text(prompt_ids) if reads else None)
         prefill = pinned if pinned is not None else self.policy.prefill_level(state)
         return Slot(
@@ -269,7 +272,7 @@ class PrecisionController:
             return  # prompt-logprob rows, dummy runs, or speculative layouts: not a sampled step
         plan.pending_logits = False
         t0 = time.perf_counter()
-        if self.policy.reads_entropy:
+        if self.policy.reads_entropy and self.routes:
             ent = entropy_bits(logits).tolist()
         else:  # the policy ignores it: no pass over the vocabulary per request
             ent = [None] * plan.num_reqs
@@ -282,7 +285,8 @@ class PrecisionController:
                 if e is not None:
                     slot.entropies.append(e)
                 slot.codes.append(int(plan.codes[i]))
-                self.policy.observe(slot.state, e)
+                if e is not None or not self.policy.reads_entropy:
+                    self.policy.observe(slot.state, e)
                 c, decode = slot.codes, bool(plan.last_positions[i] >= slot.prompt_len)
                 rows.append((CODE_NAMES[c[-1]], decode, decode and len(c) > 2 and c[-1] != c[-2]))
         self.stats.observed(rows, time.perf_counter() - t0)
@@ -290,7 +294,12 @@ class PrecisionController:
     def calibration_rows(self) -> tuple[int, int] | None:
         """Token range of a prefill chunk in this step with >= 5 tokens, if the policy wants one."""
         plan = self.plan
-        if not self.policy.wants_calibration or plan is None or plan.query_start is None:
+        if (
+            not self.routes
+            or not self.policy.wants_calibration
+            or plan is None
+            or plan.query_start is None
+        ):
             return None
         counts = np.diff(plan.query_start)
         i = int(np.argmax(counts))
@@ -329,6 +338,7 @@ class PrecisionController:
         return {
             "policy": self.policy.describe(),
             "routing": self.routing,
+            "routes": self.routes,
             "layer_maps": [list(m) for m in self.layer_maps],
             "resident_bytes": self.resident_bytes(),
             "level_byte_ratios": self.level_byte_ratios(),

@@ -1,0 +1,62 @@
+"""GEARBX whose levels all run one precision (its float32 defaults on a CPU without an int8 dot
+product: fp16 everywhere) through a real float32 engine: routing cannot change a token, so the
+engine runs no entropy pass and no calibration, pins still apply, and every level's text is the
+same."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import make_llm, shutdown
+from tests.support.workloads import SPEC_PROMPTS
+
+CONFIG = {"precision": {"policy": "gearbx", "gears": ["fp16", "fp16", "fp16"]}}
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path):
+    llm = make_llm(model_dir, {"adaptive": CONFIG}, dtype="float32")
+    yield llm
+    shutdown(llm)
+
+
+def _greedy(n: int, **extra):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, extra_args=extra)
+
+
+def test_one_gear_runs_no_entropy_pass_and_every_level_gives_the_same_text(llm) -> None:
+    from vllm_adaptive.introspection import gear_telemetry
+
+    n = 24
+    prompts = SPEC_PROMPTS[:2]
+    params = [
+        _greedy(n, adaptive_request_tag="one-plain"),
+        _greedy(n, adaptive_request_tag="one-low", adaptive_gear="low"),
+    ]
+    plain, low = llm.generate(prompts[:1] * 2, params, use_tqdm=False)
+    assert list(low.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+    (high,) = llm.generate(prompts[:1], _greedy(n, adaptive_gear="high"), use_tqdm=False)
+    assert list(high.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+
+    tel = llm.apply_model(gear_telemetry)[0]
+    assert tel["routes"] is False and tel["policy"]["policy"] == "gearbx"
+    assert ["fp16", "fp16", "fp16", "full"] in tel["layer_maps"]
+    assert all(m[:3] == ["fp16"] * 3 for m in tel["layer_maps"])
+    recs = {r["tag"]: r for r in tel["finished"]}
+    assert recs["one-plain"]["entropy_bits"] == []  # no pass over the vocabulary per step
+    assert sum(recs["one-plain"]["gear_tokens"].values()) == n
+    assert recs["one-low"]["pinned"] == "low" and recs["one-low"]["gear_tokens"]["low"] == n
+
+
+def test_off_still_runs_full_precision(llm) -> None:
+    """``adaptive_mode: off`` maps to the model's own float32 weights, not to the one gear."""
+    from vllm_adaptive.introspection import gear_telemetry
+
+    llm.generate(SPEC_PROMPTS[:1], _greedy(8, adaptive_mode="off", adaptive_request_tag="one-off"))
+    tel = llm.apply_model(gear_telemetry)[0]
+    recs = {r["tag"]: r for r in tel["finished"]}
+    assert recs["one-off"]["gear_tokens"]["off"] == 8
