@@ -283,6 +283,18 @@ def test_acceptance_counts_chains_like_vllm() -> None:
     assert eos_valid[0].nonzero().flatten().tolist() == [4, 5]  # references end at the EOS
 
 
+def test_served_rates_walk_the_chain_starts_a_server_visits() -> None:
+    """A server drafts again one past the last accepted token: from start 0 with 2 accepted it
+    next drafts at 3; every-start rates count all starts."""
+    n = torch.tensor([[2, 0, 0, 0, 3, 0, 1, 0, 0, 0]])
+    valid = torch.ones_like(n, dtype=torch.bool)
+    valid[0, 8:] = False
+    # served starts: 0 (n 2) -> 3 (n 0) -> 4 (n 3) -> 8: past the last valid start (7)
+    assert ed.rates_served(n, valid, 3) == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert ed.rates_every_start(n, valid, 3) == pytest.approx([3 / 8, 2 / 8, 1 / 8])
+    assert ed.rates_served(n, torch.zeros_like(valid), 3) == [0.0, 0.0, 0.0]
+
+
 def test_loss_decreases_on_a_fixed_batch(target: Path) -> None:
     torch.manual_seed(0)
     head, model = _head(target)
@@ -430,6 +442,9 @@ def test_greedy_source_trains_on_the_targets_own_continuations(
     meta = json.loads((out / e3.MARKER).read_text())
     assert "greedy continuations" in meta["recipe"] and meta["compute_dtype"] == "float32"
     assert isinstance(meta["device"], str) and meta["device"]  # where it was trained
+    first = meta["acceptance_curve"][0]
+    assert len(first["served_acceptance"]) == 3
+    assert first["served_mean_accepted"] == pytest.approx(sum(first["served_acceptance"]))
     with pytest.raises(ed.DraftTrainError, match="--gen-prompt-len"):
         te.train(_opts(target, corpus, tmp_path / "bad", data_source="greedy", gen_prompt_len=32))
 

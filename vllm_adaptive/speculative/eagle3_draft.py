@@ -285,6 +285,25 @@ def step_loss(
     return loss, agree.detach()
 
 
+def leading_accepted(
+    head: Eagle3Draft, tokens: torch.Tensor, aux: torch.Tensor, draft_ids: torch.Tensor, k: int
+) -> torch.Tensor:
+    """[B, T]: how many of chain ``p``'s ``k`` drafted tokens, from the first on, equal tokens
+    ``p + 2, p + 3, ...`` (the target's greedy continuation)."""
+    with torch.no_grad():
+        outs = head.ttt(tokens, aux, k)
+    B, T = tokens.shape
+    ok = torch.ones(B, T, dtype=torch.bool, device=tokens.device)
+    n = torch.zeros(B, T, dtype=torch.long, device=tokens.device)
+    for j, out in enumerate(outs):
+        drafted = draft_ids[out.logits.argmax(-1)]  # chain p's token p + j + 2
+        ref = torch.full_like(tokens, -1)
+        ref[:, : max(T - j - 2, 0)] = tokens[:, j + 2 :]
+        ok = ok & (drafted == ref)
+        n += ok.long()
+    return n
+
+
 def acceptance(
     head: Eagle3Draft,
     tokens: torch.Tensor,
@@ -296,16 +315,30 @@ def acceptance(
     """Greedy acceptance per drafted position (1..k) over every chain start ``p`` with
     ``valid[b, p]``: draft token ``j`` of chain ``p`` is accepted when it equals token
     ``p + j + 1`` (the target's greedy continuation) and tokens ``1..j-1`` were accepted."""
-    with torch.no_grad():
-        outs = head.ttt(tokens, aux, k)
-    B, T = tokens.shape
-    ok = valid.clone()
-    rates = []
-    n = valid.sum().clamp(min=1)
-    for j, out in enumerate(outs):
-        drafted = draft_ids[out.logits.argmax(-1)]  # chain p's token p + j + 2
-        ref = torch.full_like(tokens, -1)
-        ref[:, : max(T - j - 2, 0)] = tokens[:, j + 2 :]
-        ok = ok & (drafted == ref)
-        rates.append(float(ok.sum() / n))
-    return rates
+    return rates_every_start(leading_accepted(head, tokens, aux, draft_ids, k), valid, k)
+
+
+def rates_every_start(n: torch.Tensor, valid: torch.Tensor, k: int) -> list[float]:
+    count = valid.sum().clamp(min=1)
+    return [float(((n > j) & valid).sum() / count) for j in range(k)]
+
+
+def rates_served(n: torch.Tensor, valid: torch.Tensor, k: int) -> list[float]:
+    """Acceptance per drafted position over the chain starts a server visits: the first valid
+    start of each row, then one past the last accepted token of each chain (vLLM drafts again
+    after each verification). These starts fall right after rejections more often than every
+    start does, where the head just failed, so this reads lower: it is what vLLM's counters
+    report for the same head and text."""
+    n_cpu, valid_cpu = n.cpu(), valid.cpu()
+    seen = []
+    for b in range(n_cpu.shape[0]):
+        starts = valid_cpu[b].nonzero().flatten().tolist()
+        if not starts:
+            continue
+        p, last = starts[0], starts[-1]
+        while p <= last:
+            if valid_cpu[b, p]:
+                seen.append(int(n_cpu[b, p]))
+            p += int(n_cpu[b, p]) + 1
+    count = max(len(seen), 1)
+    return [sum(x > j for x in seen) / count for j in range(k)]

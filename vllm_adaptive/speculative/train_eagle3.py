@@ -86,8 +86,10 @@ from vllm_adaptive.speculative.eagle3_data import (
 from vllm_adaptive.speculative.eagle3_draft import (
     DraftTrainError,
     Eagle3Draft,
-    acceptance,
     init_from_target,
+    leading_accepted,
+    rates_every_start,
+    rates_served,
     step_loss,
     target_index,
 )
@@ -337,7 +339,9 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         nonlocal best, best_state, bad_evals
         head.eval()
         with autocast:
-            rates = acceptance(head, eval_tokens, eval_aux, valid, draft_ids_dev, opts.eval_k)
+            n = leading_accepted(head, eval_tokens, eval_aux, draft_ids_dev, opts.eval_k)
+        rates = rates_every_start(n, valid, opts.eval_k)
+        served = rates_served(n, valid, opts.eval_k)
         head.train()
         rec = {
             "kind": "eval",
@@ -345,6 +349,8 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
             "train_tokens": step * tokens_per_step,
             "acceptance": rates,
             "mean_accepted": sum(rates),
+            "served_acceptance": served,
+            "served_mean_accepted": sum(served),
             "chains": int(valid.sum()),
             "elapsed_s": time.time() - t0,
         }
@@ -475,7 +481,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(
             f"best held-out acceptance at step {best['step']} ({best['train_tokens']} training "
             f"tokens): per drafted position [{rates}], mean accepted {best['mean_accepted']:.3f}"
-            + (" (early stop)" if res.get("early_stop") else ""),
+            + (" (early stop)" if res.get("early_stop") else "")
+            + (
+                f"; along a server's chain starts {best['served_mean_accepted']:.3f}"
+                if "served_mean_accepted" in best
+                else ""
+            ),
             file=sys.stderr,
         )
     print(opts.out)
