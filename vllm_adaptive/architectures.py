@@ -58,12 +58,20 @@ OWN_ARCHITECTURES: tuple[OwnArchitecture, ...] = (
 )
 
 
+#: EAGLE-3 draft-head architectures vLLM builds as ``Eagle3LlamaForCausalLM``: registered over
+#: it with a subclass that runs the head's linears on the target's fixed fp16 gear (and is
+#: vLLM's class otherwise: ``models/llama_eagle3.py``)
+DRAFT_HEAD_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+DRAFT_HEAD_CLS = "vllm_adaptive.models.llama_eagle3:AdaptiveEagle3LlamaForCausalLM"
+
+
 def registry_entries() -> list[tuple[str, str]]:
     """(architecture name, "module:Class") for every ModelRegistry entry the plugin makes."""
     entries = []
     for arch in ADAPTIVE_ARCHITECTURES:
         entries += [(arch.adaptive, arch.adaptive_cls), (arch.stock, arch.dispatch_cls)]
     entries += [(arch.name, arch.cls) for arch in OWN_ARCHITECTURES]
+    entries += [(name, DRAFT_HEAD_CLS) for name in DRAFT_HEAD_ARCHITECTURES]
     return entries
 
 

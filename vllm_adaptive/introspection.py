@@ -111,3 +111,15 @@ def kernel_dispatch(model: Any) -> dict[str, Any]:
         "dispatch": autotune.table().summary(),
         "amx_int8_linears": half,
     }
+
+
+def draft_gears(model: Any) -> dict[str, Any]:
+    """The EAGLE-3 draft head's geared linears in this worker (the drafter is not the model
+    ``apply_model`` hands over; its layers register themselves)."""
+    from vllm_adaptive.models.llama_eagle3 import GEARED
+
+    geared = sorted(GEARED, key=lambda g: g.name)
+    return {
+        "linears": [g.name for g in geared],
+        "precisions": sorted({g.level_precisions[0] for g in geared}),
+    }

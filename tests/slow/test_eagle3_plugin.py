@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.engines import make_llm, metric, shutdown
 from tests.support.workloads import run_workloads
+from vllm_adaptive.introspection import draft_gears
 from vllm_adaptive.speculative.eagle3_head import MARKER, random_head
 
 K = 3
@@ -42,9 +43,16 @@ def test_eagle3_drafts_and_output_identical_to_stock(
     try:
         got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
         drafted = metric(llm, "vllm:spec_decode_num_draft_tokens")
+        (gears,) = llm.apply_model(draft_gears)
     finally:
         shutdown(llm)
     assert drafted > 100, drafted  # vLLM's EAGLE-3 proposer really ran on the plugin's model
+    if adaptive.get("precision"):  # the head's linears run the target's fp16 gear
+        assert gears["precisions"] == ["fp16"], gears
+        ends = {name.rsplit(".", 1)[-1] for name in gears["linears"]}
+        assert ends == {"fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    else:  # vLLM's own head, untouched
+        assert gears["linears"] == [], gears
     for key, seqs in got.items():
         assert seqs == stock_f32["spec_mixed"][key], key
 

@@ -91,3 +91,30 @@ def test_registry_entries_include_the_own_architecture() -> None:
     assert entries["LlamaForCausalLM"].endswith(":LlamaForCausalLMDispatch")
     assert entries["AdaptiveLlamaForCausalLM"].endswith(":AdaptiveLlamaForCausalLM")
     assert {a.name for a in OWN_ARCHITECTURES} <= supported_architectures()
+
+
+def test_eagle3_head_architectures_get_the_geared_subclass() -> None:
+    """vLLM's EAGLE-3 head class is registered over with a subclass that gears the head's
+    linears only where the engine runs the fixed fp16 gear on float32 activations."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_adaptive.architectures import DRAFT_HEAD_ARCHITECTURES, registry_entries
+    from vllm_adaptive.models.llama_eagle3 import draft_precision
+
+    entries = dict(registry_entries())
+    for name in DRAFT_HEAD_ARCHITECTURES:
+        assert entries[name] == "vllm_adaptive.models.llama_eagle3:AdaptiveEagle3LlamaForCausalLM"
+
+    def cfg(adaptive, dtype=torch.float32):
+        extra = {} if adaptive is None else {"adaptive": adaptive}
+        return SimpleNamespace(additional_config=extra, model_config=SimpleNamespace(dtype=dtype))
+
+    fp16 = {"precision": {"policy": "fixed", "gear": "fp16"}}
+    assert draft_precision(cfg(fp16)) == "fp16"
+    assert draft_precision(cfg(fp16, torch.bfloat16)) is None
+    assert draft_precision(cfg(None)) is None  # stock: vLLM's head untouched
+    assert draft_precision(cfg({})) is None  # adaptivity off
+    assert draft_precision(cfg({"precision": {"policy": "fixed", "gear": "w8a8"}})) is None
+    assert draft_precision(cfg({"precision": {"policy": "gearbx"}})) is None

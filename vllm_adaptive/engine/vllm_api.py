@@ -37,6 +37,11 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
         "LlamaDecoderLayer",
         ("models.llama", "models.moefied_llama"),
     ),
+    "Eagle3LlamaForCausalLM": (
+        "vllm.model_executor.models.llama_eagle3",
+        "Eagle3LlamaForCausalLM",
+        ("models.llama_eagle3",),
+    ),
     "Gemma3ForCausalLM": (
         "vllm.model_executor.models.gemma3",
         "Gemma3ForCausalLM",
