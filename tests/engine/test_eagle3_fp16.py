@@ -1,0 +1,45 @@
+"""vLLM's EAGLE-3 proposer on the plugin's fixed fp16 gear (`scripts/serve.sh`'s float32
+target): the draft head's linears run the same fp16 gear (half the bytes a draft step reads),
+vLLM drafts with it, and greedy output stays identical to stock vLLM float32. An untrained head
+(``eagle3_head.random_head``) is enough: what is checked is the mechanism, not acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.engines import make_llm, metric, shutdown
+from tests.support.workloads import run_workloads
+from vllm_adaptive.introspection import draft_gears
+from vllm_adaptive.speculative.eagle3_head import random_head
+
+FP16 = {"precision": {"policy": "fixed", "gear": "fp16"}}
+K = 3
+
+
+def _eagle3(head: Path) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+
+
+@pytest.fixture(scope="module")
+def head(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_head(tmp_path_factory.mktemp("eagle3") / "head", model_dir)
+
+
+def test_fp16_draft_head_drafts_and_output_identical_to_stock(
+    model_dir: Path, head: Path, stock_f32: dict
+) -> None:
+    llm = make_llm(model_dir, {"adaptive": FP16}, dtype="float32", speculative_config=_eagle3(head))
+    try:
+        got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
+        drafted = metric(llm, "vllm:spec_decode_num_draft_tokens")
+        (gears,) = llm.apply_model(draft_gears)
+    finally:
+        shutdown(llm)
+    assert drafted > 100, drafted  # vLLM's EAGLE-3 proposer really ran
+    assert gears["precisions"] == ["fp16"], gears
+    ends = {name.rsplit(".", 1)[-1] for name in gears["linears"]}
+    assert ends == {"fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    for key, seqs in got.items():
+        assert seqs == stock_f32["spec_mixed"][key], key
