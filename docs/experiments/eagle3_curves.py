@@ -1,7 +1,8 @@
 """Held-out acceptance of EAGLE-3 heads against training tokens, one line per head and drafted
 position, from each head's ``vllm_adaptive.json`` (written by `vllm-adaptive train draft`).
 
-    python docs/experiments/eagle3_curves.py OUT.png LABEL=HEAD_DIR [LABEL=HEAD_DIR ...]
+    python docs/experiments/eagle3_curves.py OUT.png LABEL=HEAD_DIR [LABEL=HEAD_DIR ...] \
+        [--title TEXT]
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def main(argv: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    title = "EAGLE-3 heads trained on CPU, SmolLM2-135M target, k = 3"
+    if "--title" in argv:
+        i = argv.index("--title")
+        title, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
     out, heads = Path(argv[0]), [a.split("=", 1) for a in argv[1:]]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = ["-", "--", ":"]
@@ -34,7 +39,7 @@ def main(argv: list[str]) -> None:
             )
     ax.set_xlabel("training tokens (thousands)")
     ax.set_ylabel("held-out greedy acceptance (chain)")
-    ax.set_title("EAGLE-3 heads trained on CPU, SmolLM2-135M target, k = 3")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
