@@ -58,6 +58,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_model() -> str | None:
+    """The CPU's model name as /proc/cpuinfo spells it (Linux; None elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def native_bf16(flags: Collection[str]) -> bool:
     """Whether the CPU computes bf16 natively (stock's bf16 then beats its float32)."""
     return "avx512_bf16" in flags or "amx_bf16" in flags

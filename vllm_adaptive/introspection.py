@@ -115,11 +115,11 @@ def kernel_dispatch(model: Any) -> dict[str, Any]:
 
 def draft_gears(model: Any) -> dict[str, Any]:
     """The EAGLE-3 draft head's geared linears in this worker (the drafter is not the model
-    ``apply_model`` hands over; its layers register themselves)."""
-    from vllm_adaptive.models.llama_eagle3 import GEARED
+    ``apply_model`` hands over; its linears carry the ``draft.`` name prefix)."""
+    from vllm_adaptive.precision.linear import geared_linears
 
-    geared = sorted(GEARED, key=lambda g: g.name)
+    geared = [g for g in geared_linears() if g.name.startswith("draft.")]
     return {
-        "linears": [g.name for g in geared],
+        "linears": sorted(g.name for g in geared),
         "precisions": sorted({g.level_precisions[0] for g in geared}),
     }

@@ -11,7 +11,6 @@ k = 3 (docs/results.md). Drafts never change the output: the target verifies eve
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,8 +20,8 @@ from vllm_adaptive.engine.vllm_api import Eagle3LlamaForCausalLM
 
 #: the head's linear layers, by their module names' last part
 DRAFT_LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-#: every geared draft linear of this process (read by ``introspection.draft_gears``)
-GEARED: weakref.WeakSet = weakref.WeakSet()
+#: the prefix of the draft head's geared linears' names (``introspection.draft_gears``)
+DRAFT_PREFIX = "draft."
 
 
 def draft_precision(vllm_config: Any) -> str | None:
@@ -57,12 +56,11 @@ def gear_draft_linears(model: torch.nn.Module, precision: str, max_tokens: int =
         level_map = (precision, precision, precision, "full")
         tiers = LinearTiers.build(module.weight, set(level_map), "independent", None, True)
         tiers.prepare(module.weight.dtype)
-        g = GearedLinear(module, f"draft.{name}", level_map, tiers, method, controller=None)
+        g = GearedLinear(module, DRAFT_PREFIX + name, level_map, tiers, method, controller=None)
         g.fast = g.call_for(precision)  # no step plan: every row of every step runs it
         module.quant_method = GearedLinearMethod(g)
         g.autotune(max_tokens)
         geared.append(g)
-        GEARED.add(g)
     autotune.table().save()
     return geared
 

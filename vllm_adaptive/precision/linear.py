@@ -126,6 +126,11 @@ class GearedLinear:
         return out
 
 
+def geared_linears() -> list[GearedLinear]:
+    """Every live geared linear of this process, in creation order."""
+    return [g for _, g in sorted(_LINEARS.items())]
+
+
 def _geared_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     g = _LINEARS[index]
     fast = g.fast

@@ -456,9 +456,11 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from vllm_adaptive.bench.machine import cpuinfo
+    import platform
 
-    return str(cpuinfo()["cpu"])
+    from vllm_adaptive.environment import cpu_model
+
+    return cpu_model() or platform.processor() or "cpu"
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
