@@ -9,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engines import make_llm, metric, shutdown
-from tests.support.workloads import run_workloads
-from vllm_adaptive.introspection import draft_gears
+from tests.support.eagle3 import run_eagle3
 from vllm_adaptive.speculative.eagle3_head import random_head
 
 FP16 = {"precision": {"policy": "fixed", "gear": "fp16"}}
-K = 3
-
-
-def _eagle3(head: Path) -> dict:
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +23,7 @@ def head(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fp16_draft_head_drafts_and_output_identical_to_stock(
     model_dir: Path, head: Path, stock_f32: dict
 ) -> None:
-    llm = make_llm(model_dir, {"adaptive": FP16}, dtype="float32", speculative_config=_eagle3(head))
-    try:
-        got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
-        drafted = metric(llm, "vllm:spec_decode_num_draft_tokens")
-        (gears,) = llm.apply_model(draft_gears)
-    finally:
-        shutdown(llm)
+    got, drafted, gears = run_eagle3(model_dir, FP16, head)
     assert drafted > 100, drafted  # vLLM's EAGLE-3 proposer really ran
     assert gears["precisions"] == ["fp16"], gears
     ends = {name.rsplit(".", 1)[-1] for name in gears["linears"]}

@@ -12,21 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.eagle3 import eagle3_spec, run_eagle3
 from tests.support.engines import make_llm, metric, shutdown
 from tests.support.workloads import run_workloads
-from vllm_adaptive.introspection import draft_gears
 from vllm_adaptive.speculative.eagle3_head import MARKER, random_head
-
-K = 3
 
 
 @pytest.fixture(scope="module")
 def head(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return random_head(tmp_path_factory.mktemp("eagle3") / "head", model_dir)
-
-
-def _eagle3(head: Path) -> dict:
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
 
 
 @pytest.mark.parametrize(
@@ -37,15 +31,7 @@ def _eagle3(head: Path) -> dict:
 def test_eagle3_drafts_and_output_identical_to_stock(
     model_dir: Path, head: Path, stock_f32: dict, adaptive: dict
 ) -> None:
-    llm = make_llm(
-        model_dir, {"adaptive": adaptive}, dtype="float32", speculative_config=_eagle3(head)
-    )
-    try:
-        got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
-        drafted = metric(llm, "vllm:spec_decode_num_draft_tokens")
-        (gears,) = llm.apply_model(draft_gears)
-    finally:
-        shutdown(llm)
+    got, drafted, gears = run_eagle3(model_dir, adaptive, head)
     assert drafted > 100, drafted  # vLLM's EAGLE-3 proposer really ran on the plugin's model
     assert gears["linears"] == [], gears  # adaptivity off: vLLM's own head, untouched
     for key, seqs in got.items():
@@ -59,7 +45,9 @@ def test_head_for_another_model_refused_at_start(model_dir: Path, head: Path, tm
         (other / f.name).write_bytes(f.read_bytes())
     (other / MARKER).write_text(json.dumps({"target_fingerprint": "0" * 64}))
     with pytest.raises(Exception, match="made for another model"):
-        make_llm(model_dir, {"adaptive": {}}, dtype="float32", speculative_config=_eagle3(other))
+        make_llm(
+            model_dir, {"adaptive": {}}, dtype="float32", speculative_config=eagle3_spec(other)
+        )
 
 
 def hybrid_summary(model) -> dict:
@@ -81,7 +69,7 @@ def test_hybrid_lookup_and_learned_drafts_output_identical_to_stock(
         model_dir,
         {"adaptive": {"hybrid": hybrid}},
         dtype="float32",
-        speculative_config=_eagle3(head) | {"suffix_decoding_max_cached_requests": 0},
+        speculative_config=eagle3_spec(head) | {"suffix_decoding_max_cached_requests": 0},
     )
     try:
         got = run_workloads(llm, ["spec_mixed"])["spec_mixed"]
