@@ -21,17 +21,12 @@ import torch
 
 
 def load_head(head_dir: Path, embed: torch.Tensor):
-    from safetensors.torch import load_file
-
     from vllm_adaptive.speculative.eagle3_draft import Eagle3Draft
+    from vllm_adaptive.speculative.eagle3_head import load_head as load_saved
 
-    cfg = json.loads((head_dir / "config.json").read_text())
-    state = load_file(str(head_dir / "model.safetensors"))
-    d2t = state.pop("d2t")
-    state.pop("t2d")
+    cfg, state, draft_ids = load_saved(head_dir)
     head = Eagle3Draft(cfg, embed)
     head.load_state_dict(state)
-    draft_ids = torch.arange(len(d2t)) + d2t.long()  # vLLM: target id = draft id + d2t
     return head.eval(), draft_ids, cfg
 
 

@@ -70,6 +70,10 @@ def test_stock_is_really_stock_and_plugin_is_on() -> None:
     }
     client = serve_client.client_command("u", "d", "p", 1, 2, 3, "r", "n", peer.model)
     assert client[client.index("--model") + 1] == "smollm2-135m-instruct-w8a8"
+    assert "--skip-chat-template" in client and "--ignore-eos" in client
+    chat = serve_client.client_command("u", "d", "p", 1, 2, 3, "r", "n", peer.model, "chat")
+    # chat requests: the client applies the template and answers end at the end of turn
+    assert "--skip-chat-template" not in chat and "--ignore-eos" not in chat
     cmd = servers.serve_command(stock, 1234)
     assert cmd[1].endswith("scripts/serve.sh") and cmd[cmd.index("--dtype") + 1] == "float32"
     # serve.sh itself, under the bench's environment: no drafter a spec did not name (its

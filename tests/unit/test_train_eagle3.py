@@ -8,6 +8,7 @@ with a KV cache, transformers' rotary embedding); the untrained head against the
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -502,3 +503,100 @@ def test_early_stop_keeps_the_best_head_and_stays_stopped(
     assert meta["best"]["step"] == 0 and meta["final"]
     again = te.train(_opts(target, corpus, out, patience=1, min_delta=10.0, resume=True))
     assert again["step"] == 3
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def test_end_of_turn_mask_counts_the_end_and_nothing_after() -> None:
+    tokens = torch.tensor([[5, 6, 7, 2, 9, 2], [5, 6, 7, 8, 9, 10], [5, 2, 7, 8, 2, 10]])
+    keep = edata.before_end_of_turn(tokens, prompt_len=2, eos=2)
+    # position q predicts token q + 1: the end of turn (index 3) is predicted from q = 2
+    assert keep[0].tolist() == [True, True, True, False, False, False]
+    assert keep[1].all()  # no end of turn generated
+    # an EOS inside the prompt does not end the answer
+    assert keep[2].tolist() == [True, True, True, True, False, False]
+    assert edata.before_end_of_turn(tokens, 2, None).all()
+
+
+def test_loss_leaves_out_what_keep_drops() -> None:
+    torch.manual_seed(0)
+    B, T, V, k = 2, 6, 12, 4
+    logits = torch.randn(B, T, V)
+    topk_ids = torch.randint(0, V, (B, T, k))
+    topk_logits = torch.randn(B, T, k)
+    draft_ids = torch.arange(V)
+    t2d = ed.target_index(draft_ids, V)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 3:] = False
+    full, _ = ed.step_loss(logits, 0, topk_ids, topk_logits, t2d, draft_ids)
+    masked, _ = ed.step_loss(logits, 0, topk_ids, topk_logits, t2d, draft_ids, keep)
+    # the same loss as the kept rows alone: row 0 whole, row 1 up to position 2
+    garbage = topk_logits.clone()
+    garbage[1, 3:] = 1e4  # what keep drops cannot move the loss
+    again, _ = ed.step_loss(logits, 0, topk_ids, garbage, t2d, draft_ids, keep)
+    assert torch.allclose(masked, again) and not torch.allclose(full, masked)
+
+
+def test_chat_source_and_fine_tuning_an_existing_head(
+    target: Path, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    from vllm_adaptive import chat_prompts
+
+    # a character tokenizer: short instructions leave room for text in short windows
+    monkeypatch.setattr(chat_prompts, "PROSE_INSTRUCTIONS", ("Why?", "Say it."))
+
+    chat_target = tmp_path / "chat-target"
+    shutil.copytree(target, chat_target)
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(chat_target)
+
+    out = tmp_path / "chat"
+    opts = _opts(
+        chat_target, corpus, out, data_source="chat", tokens=6 * 64, seq_len=64,
+        gen_prompt_len=40, gen_batch=4, eval_prompt_len=44,
+    )  # fmt: skip
+    assert te.train(opts)["step"] == 6
+    shards = sorted((out / "train" / "data").glob("train-*.pt"))
+    data = [torch.load(f, weights_only=True) for f in shards]
+    toks = torch.cat([d["tokens"] for d in data]).long()
+    assert toks.shape == (6, 64)
+    keep = torch.cat([d["keep"] for d in data])
+    assert torch.equal(keep, edata.before_end_of_turn(toks, 40, 2))
+    before, after = chat_prompts.template_ids(tok)
+    for row in toks.tolist():  # template, instruction, text, template: then the answer
+        assert row[: len(before)] == before and row[40 - len(after) : 40] == after
+    ev = torch.load(out / "train" / "data" / "eval.pt", weights_only=True)["tokens"]
+    assert ev[0, 44 - len(after) : 44].tolist() == after
+    with pytest.raises(ed.DraftTrainError, match="ask for at least"):
+        te.train(
+            _opts(chat_target, corpus, tmp_path / "short", data_source="chat", gen_prompt_len=9)
+        )
+    meta = json.loads((out / e3.MARKER).read_text())
+    assert "chat requests" in meta["recipe"]
+
+    # fine-tuning: the head's own vocabulary and weights are the start (lr 0 keeps them)
+    tuned = tmp_path / "tuned"
+    te.train(_opts(chat_target, corpus, tuned, init_head=str(out), draft_vocab=20, lr=0.0))
+    with safe_open(str(tuned / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("d2t").shape == (40,)  # not --draft-vocab 20: the head's own
+    with safe_open(str(out / "model.safetensors"), "pt") as a:
+        with safe_open(str(tuned / "model.safetensors"), "pt") as b:
+            assert set(a.keys()) == set(b.keys())
+            for name in a.keys():
+                torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name))
+    assert "fine-tuned from" in json.loads((tuned / e3.MARKER).read_text())["recipe"]
+    with pytest.raises(ed.DraftTrainError, match="--head-layers 2"):
+        te.train(_opts(chat_target, corpus, tmp_path / "x", init_head=str(out), head_layers=2))
+    with pytest.raises(ed.DraftTrainError, match=r"reads layers \[1, 2, 3\]"):
+        te.train(
+            _opts(chat_target, corpus, tmp_path / "y", init_head=str(out), aux_layers=[0, 1, 2])
+        )
+    with pytest.raises(ed.DraftTrainError, match="--init-head"):
+        te.train(_opts(chat_target, corpus, tmp_path / "z", init_head=str(tmp_path / "none")))

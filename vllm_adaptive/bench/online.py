@@ -27,6 +27,7 @@ from typing import Any
 
 from vllm_adaptive.bench.online_report import KEPT, agreement, markdown, plot, summarize
 from vllm_adaptive.bench.serve_client import (
+    PROMPT_STYLES,
     client_command,
     prompts_per_concurrency,
     run_client,
@@ -60,6 +61,7 @@ def run(
     min_prompts: int = 8,
     online: bool = True,
     offline: bool = False,
+    prompt_style: str = "text",
 ) -> dict[str, Any]:
     """The online bench (``online``) and vLLM's offline throughput bench (``offline``) over the
     same prompts and configurations, into one report (``online.json``, ``.md``, ``.png``)."""
@@ -77,7 +79,9 @@ def run(
         prepare(other, quiet=True)  # built before any server starts: not in its start time
     n_max = max(prompts_per_concurrency(c, min_prompts) for c in concurrency)
     prompts_path = out_dir / "prompts.jsonl"
-    prompts = write_prompts(model_dir, corpora, n_max, prompt_tokens, prompts_path)
+    if offline and prompt_style != "text":
+        raise ValueError("--prompt-style chat: the offline bench takes raw prompts only")
+    prompts = write_prompts(model_dir, corpora, n_max, prompt_tokens, prompts_path, prompt_style)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     records = {
         s.label: {
@@ -128,6 +132,7 @@ def run(
                         out_dir,
                         name,
                         spec.model,
+                        prompt_style,
                     ),
                     out_dir / f"client-{slug}-c{c}-r{r}.log",
                     out_dir / name,
@@ -178,6 +183,7 @@ def run(
             "concurrency": list(concurrency),
             "rounds": rounds,
             "prompt_tokens": prompt_tokens,
+            "prompt_style": prompt_style,
             "output_len": output_len,
             "min_prompts": min_prompts,
             "prompts_per_concurrency": {
@@ -250,6 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (default 2)")
     p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument(
+        "--prompt-style",
+        choices=PROMPT_STYLES,
+        default="text",
+        help="text: raw windows of held-out text, exactly --output-len tokens each; chat: "
+        "user messages asking about such windows (the client applies the chat template), "
+        "answers ending at the end of turn (at most --output-len tokens)",
+    )
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument(
         "--min-prompts",
@@ -290,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.server and not args.no_stock:
         servers = [s for s in default_servers(flags) if s.stock] + servers
     corpora = args.corpus or default_corpora(Path.home() / ".cache" / "vllm-adaptive" / "corpora")
+    if args.prompt_style != "text" and (args.profile or args.offline or args.offline_only):
+        raise SystemExit("bench-serve: --prompt-style chat is for the online bench only")
     if args.profile:
         from vllm_adaptive.bench.online_profile import profile
 
@@ -308,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.min_prompts,
         online=not args.offline_only,
         offline=args.offline or args.offline_only,
+        prompt_style=args.prompt_style,
     )
     print((args.out / "online.md").read_text())
     print(

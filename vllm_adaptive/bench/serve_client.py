@@ -1,6 +1,6 @@
 """vLLM's own benchmark client, ``vllm bench serve``, as the benches run it: the prompts (windows of
-the corpora's held-out split, as its ``custom`` dataset), the command (greedy, ``--ignore-eos``,
-texts kept for agreement) and its result."""
+the corpora's held-out split, or chat requests about them, as its ``custom`` dataset), the
+command (greedy, texts kept for agreement) and its result."""
 
 from __future__ import annotations
 
@@ -20,20 +20,38 @@ def prompts_per_concurrency(concurrency: int, minimum: int) -> int:
     return max(minimum, 2 * concurrency)
 
 
+#: ``--prompt-style``: raw windows of held-out text, or chat requests about them
+PROMPT_STYLES = ("text", "chat")
+
+
 def write_prompts(
-    model_dir: Path, corpora: Sequence[str], count: int, tokens: int, out: Path
+    model_dir: Path,
+    corpora: Sequence[str],
+    count: int,
+    tokens: int,
+    out: Path,
+    style: str = "text",
 ) -> list[str]:
-    """``count`` prompts of ``tokens`` tokens from the corpora's held-out split (alternating
-    files), as ``vllm bench serve``'s custom dataset (a JSONL of ``{"prompt": ...}``)."""
+    """``count`` prompts from the corpora's held-out split (alternating files), as ``vllm bench
+    serve``'s custom dataset (a JSONL of ``{"prompt": ...}``): windows of ``tokens`` tokens
+    (``text``), or user messages asking about such windows (``chat``:
+    :mod:`vllm_adaptive.chat_prompts`; the client applies the chat template)."""
     from transformers import AutoTokenizer
 
+    from vllm_adaptive.chat_prompts import chat_messages
     from vllm_adaptive.corpora import read_corpus, token_windows
 
+    if style not in PROMPT_STYLES:
+        raise OnlineBenchError(f"prompt style {style!r}: one of {PROMPT_STYLES}")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     per_file: list[list[str]] = []
     share = -(-count // len(corpora))
     for path in corpora:
-        ids = tok(read_corpus(path).eval_text, add_special_tokens=False)["input_ids"]
+        text = read_corpus(path).eval_text
+        if style == "chat":
+            per_file.append(chat_messages(tok, text, path, share, tokens))
+            continue
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         per_file.append([tok.decode(w) for w in token_windows(ids, tokens, share)])
     prompts = [p for group in zip(*per_file, strict=False) for p in group][:count]
     out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -50,8 +68,13 @@ def client_command(
     result_dir: Path,
     result_name: str,
     served_name: str = SERVED_NAME,
+    style: str = "text",
 ) -> list[str]:
+    """The client's command line. ``style`` ``chat``: the client applies the model's chat
+    template and requests end at the end of turn (at most ``output_len`` tokens), as a chat
+    user's do; ``text``: raw prompts decoding exactly ``output_len`` tokens."""
     vllm = Path(sys.executable).parent / "vllm"
+    as_text = ["--skip-chat-template", "--ignore-eos"] if style == "text" else []
     return [
         str(vllm) if vllm.exists() else "vllm",
         "bench",
@@ -71,8 +94,7 @@ def client_command(
         "--disable-shuffle",
         "--custom-output-len",
         str(output_len),
-        "--skip-chat-template",
-        "--ignore-eos",
+        *as_text,
         "--temperature",
         "0",
         "--num-prompts",

@@ -17,7 +17,9 @@ class DraftTrainOptions:
     tokens: int = 98304
     seq_len: int = 256
     #: "text": windows of calibration text; "greedy": a calibration prompt of ``gen_prompt_len``
-    #: tokens and the target's own greedy continuation (what a greedy server drafts against)
+    #: tokens and the target's own greedy continuation (what a greedy server drafts against);
+    #: "chat": the same with chat-template prompts (``chat_prompts.py``), the loss ending at the
+    #: answer's end of turn
     data_source: str = "text"
     gen_prompt_len: int = 32
     gen_batch: int = 64
@@ -32,6 +34,8 @@ class DraftTrainOptions:
     aux_layers: list[int] | None = None
     #: decoder layers of the head (vLLM's EAGLE-3 model runs any number)
     head_layers: int = 1
+    #: start from this head (its draft vocabulary, aux layers and weights) instead of the target
+    init_head: str | None = None
     ttt_steps: int = 3
     ttt_decay: float = 0.8
     #: training steps; default: ``epochs`` passes over the data
@@ -91,10 +95,12 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training window")
     p.add_argument(
         "--data-source",
-        choices=("text", "greedy"),
+        choices=("text", "greedy", "chat"),
         default=d.data_source,
         help="text: windows of calibration text; greedy: a calibration prompt of "
-        "--gen-prompt-len tokens continued by the target's own greedy tokens to --seq-len",
+        "--gen-prompt-len tokens continued by the target's own greedy tokens to --seq-len; "
+        "chat: the same with chat requests about calibration text in the model's chat "
+        "template, trained up to the answer's end of turn (eval prompts are chat requests too)",
     )
     p.add_argument("--gen-prompt-len", type=int, default=d.gen_prompt_len)
     p.add_argument(
@@ -132,6 +138,13 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.head_layers,
         help="decoder layers of the head (each starts as the target's next layer)",
+    )
+    p.add_argument(
+        "--init-head",
+        default=None,
+        metavar="DIR",
+        help="fine-tune this EAGLE-3 head (made for the same target: its draft vocabulary, aux "
+        "layers and decoder layers are kept) instead of starting from the target's layer",
     )
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="training-time test steps")
     p.add_argument(
@@ -185,6 +198,7 @@ def options_from_args(args: argparse.Namespace) -> DraftTrainOptions:
         draft_vocab=args.draft_vocab,
         aux_layers=args.aux_layers,
         head_layers=args.head_layers,
+        init_head=args.init_head,
         ttt_steps=args.ttt_steps,
         ttt_decay=args.ttt_decay,
         steps=args.steps,

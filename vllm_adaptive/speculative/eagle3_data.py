@@ -128,6 +128,20 @@ class Eagle3Data:
     eval_aux: torch.Tensor  # [m, P + G, 3h] bf16
     gen_seconds: float
     gen_tokens: int
+    #: [n, T] bool: positions whose next token the loss counts (None: all of them)
+    keep: torch.Tensor | None = None
+
+
+def before_end_of_turn(tokens: torch.Tensor, prompt_len: int, eos: int | None) -> torch.Tensor:
+    """``[B, T]``: True where a position's next token is at or before the first end of turn the
+    target generated (a server stops there: what follows is never drafted), False after."""
+    B, T = tokens.shape
+    keep = torch.ones(B, T, dtype=torch.bool)
+    if eos is None:
+        return keep
+    gen = tokens[:, prompt_len:] == eos
+    first = torch.where(gen.any(1), gen.float().argmax(1) + prompt_len, torch.full((B,), T))
+    return torch.arange(T)[None, :] < first[:, None]
 
 
 def train_device(name: str) -> torch.device:
@@ -159,7 +173,7 @@ def data_spec(opts: DraftTrainOptions, fingerprint: str, layers: list[int]) -> d
     return {
         "target_fingerprint": fingerprint,
         "data_source": opts.data_source,
-        "gen_prompt_len": opts.gen_prompt_len if opts.data_source == "greedy" else None,
+        "gen_prompt_len": opts.gen_prompt_len if opts.data_source != "text" else None,
         "compute_dtype": opts.compute_dtype,
         "corpus_sha256": opts.corpus_sha256,
         "tokens": opts.tokens,
@@ -171,6 +185,15 @@ def data_spec(opts: DraftTrainOptions, fingerprint: str, layers: list[int]) -> d
         "eval_prompt_len": opts.eval_prompt_len,
         "eval_new_tokens": opts.eval_new_tokens,
     }
+
+
+def _chat_ids(tok, text: str, path, count: int, length: int) -> list[list[int]]:
+    from vllm_adaptive.chat_prompts import chat_prompt_ids
+
+    try:
+        return chat_prompt_ids(tok, text, path, count, length)
+    except ValueError as e:
+        raise DraftTrainError(f"--data-source chat: {e}") from None
 
 
 def build_data(
@@ -191,17 +214,19 @@ def build_data(
     stats_path = data_dir / "stats.json"
     stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {"seconds": 0.0}
 
-    bos = prompt_bos(tok)
+    chat = opts.data_source == "chat"
+    bos = None if chat else prompt_bos(tok)  # a chat template starts its own prompts
     n_windows = max(1, opts.tokens // opts.seq_len)
     # a greedy source reads only its prompts from the text; the target writes the rest
-    body = (opts.gen_prompt_len if opts.data_source == "greedy" else opts.seq_len) - (
+    body = (opts.seq_len if opts.data_source == "text" else opts.gen_prompt_len) - (
         1 if bos is not None else 0
     )
     prompt_body = opts.eval_prompt_len - (1 if bos is not None else 0)
     windows: list[list[int]] = []
     prompts: list[list[int]] = []
     cached = sorted(data_dir.glob("train-*.pt"))
-    per_shard = opts.gen_batch if opts.data_source == "greedy" else opts.data_batch
+    generates = opts.data_source != "text"
+    per_shard = opts.gen_batch if generates else opts.data_batch
     need_train = len(cached) * per_shard < n_windows
     need_eval = not (data_dir / "eval.pt").is_file()
     if need_train or need_eval:
@@ -209,8 +234,11 @@ def build_data(
         for j, cf in enumerate(corpora):
             want = n_windows // n + (1 if j < n_windows % n else 0)
             if need_train and want:
-                ids = tok(cf.calibration_text, add_special_tokens=False)["input_ids"]
-                got = _spread_windows(ids, body, want)
+                if chat:
+                    got = _chat_ids(tok, cf.calibration_text, cf.path, want, body)
+                else:
+                    ids = tok(cf.calibration_text, add_special_tokens=False)["input_ids"]
+                    got = _spread_windows(ids, body, want)
                 if len(got) < want:
                     print(
                         f"corpus {cf.path}: {len(ids)} calibration tokens give {len(got)} "
@@ -219,7 +247,9 @@ def build_data(
                     )
                 windows.extend(got)
             pwant = opts.eval_prompts // n + (1 if j < opts.eval_prompts % n else 0)
-            if need_eval and pwant:
+            if need_eval and pwant and chat:
+                prompts.extend(_chat_ids(tok, cf.eval_text, cf.path, pwant, prompt_body))
+            elif need_eval and pwant:
                 eids = tok(cf.eval_text, add_special_tokens=False)["input_ids"]
                 span = prompt_body + opts.eval_new_tokens  # prompts spread over the eval text
                 prompts.extend(w[:prompt_body] for w in _spread_windows(eids, span, pwant))
@@ -236,21 +266,23 @@ def build_data(
     if need_train:
         # a greedy source generates in batches of --gen-batch (one shard each): per-step overhead
         # dominates a small target's decode, so wide batches are what make it affordable
-        per = opts.gen_batch if opts.data_source == "greedy" else opts.data_batch
+        per = per_shard
         chunks = [windows[i : i + per] for i in range(0, len(windows), per)]
         bar = tqdm(
             total=len(windows) * opts.seq_len,
             initial=len(cached) * per_shard * opts.seq_len,
-            desc="target pass" if opts.data_source == "text" else "greedy windows",
+            desc="target pass" if opts.data_source == "text" else f"{opts.data_source} windows",
             unit="tok",
             unit_scale=True,
             disable=not opts.progress,
         )
         for i in range(len(cached), len(chunks)):
             ids = torch.tensor(chunks[i], dtype=torch.long)
-            if opts.data_source == "greedy":
+            if generates:
                 ids = self_windows(model, ids, opts.seq_len)
             shard = target_pass(model, ids, layers, opts.topk)
+            if chat:
+                shard["keep"] = before_end_of_turn(ids.cpu(), opts.gen_prompt_len, tok.eos_token_id)
             torch.save(shard, data_dir / f"train-{i:05d}.pt")
             gen_tokens += ids.numel()
             bar.update(ids.numel())
@@ -267,7 +299,9 @@ def build_data(
         stats_path.write_text(json.dumps(stats))
     shards = [torch.load(f, weights_only=True) for f in sorted(data_dir.glob("train-*.pt"))]
     ev = torch.load(data_dir / "eval.pt", weights_only=True)
+    keep = [s.get("keep") for s in shards]
     return Eagle3Data(
+        keep=None if any(k is None for k in keep) else torch.cat(keep),
         tokens=torch.cat([s["tokens"] for s in shards]),
         aux=torch.cat([s["aux"] for s in shards]),
         topk_ids=torch.cat([s["topk_ids"] for s in shards]),

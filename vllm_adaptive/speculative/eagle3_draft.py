@@ -258,12 +258,14 @@ def step_loss(
     topk_logits: torch.Tensor,
     t2d_index: torch.Tensor,
     draft_ids: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft cross entropy of draft step ``j`` (0-based: chain ``p`` predicts token
     ``p + j + 2``, whose distribution is the target's at position ``p + j + 1``) against the
     target's top-k restricted to the draft vocabulary and renormalised; and the top-1
     agreement with the target's greedy token. Positions without a draft-vocabulary token in
-    the target's top-k are left out."""
+    the target's top-k are left out, and so are positions where ``keep`` ([B, T], indexed like
+    the target's distributions) is False."""
     T = logits.shape[1]
     n = T - 1 - j
     if n <= 0:
@@ -275,13 +277,20 @@ def step_loss(
     d = t2d_index[tid]
     inside = d >= 0
     has = inside.any(-1)
+    if keep is not None:
+        has = has & keep[:, j + 1 :].to(has.device)
     p = torch.softmax(tlg.masked_fill(~inside, float("-inf")), dim=-1)
     p = torch.where(has.unsqueeze(-1), p, torch.zeros_like(p))
     logp = torch.log_softmax(lg, dim=-1).gather(-1, d.clamp(min=0))
     per_pos = -(p * logp).sum(-1)
     count = has.sum().clamp(min=1)
     loss = (per_pos * has).sum() / count
-    agree = (draft_ids[lg.argmax(-1)] == tid[..., 0]).float().mean()
+    hit = (draft_ids[lg.argmax(-1)] == tid[..., 0]).float()
+    if keep is None:
+        agree = hit.mean()
+    else:
+        kept = keep[:, j + 1 :].to(hit.device).float()
+        agree = (hit * kept).sum() / kept.sum().clamp(min=1)
     return loss, agree.detach()
 
 

@@ -176,6 +176,30 @@ def save_head(
     return out
 
 
+def load_head(head_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], torch.Tensor]:
+    """A saved head's config, its weights (``d2t`` / ``t2d`` removed) and its draft vocabulary
+    as target ids (vLLM: target id = draft id + ``d2t[draft id]``)."""
+    from safetensors.torch import load_file
+
+    head = Path(head_dir)
+    cfg = json.loads((head / "config.json").read_text())
+    weights = load_file(str(head / "model.safetensors"))
+    d2t = weights.pop("d2t")
+    weights.pop("t2d", None)
+    shapes = head_shapes(cfg)
+    if {n: tuple(t.shape) for n, t in weights.items()} != shapes:
+        raise ValueError(f"EAGLE-3 head {head}: tensors do not match its config.json")
+    return cfg, weights, torch.arange(len(d2t)) + d2t.long()
+
+
+def head_aux_layers(cfg: dict[str, Any]) -> list[int] | None:
+    """The target layers a head's config names (None: vLLM's default)."""
+    layers = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    return [int(i) for i in layers] if layers else None
+
+
 def random_head(
     out_dir: str | Path, target_dir: str | Path, draft_vocab_size: int = 4096, seed: int = 0
 ) -> Path:

@@ -94,9 +94,13 @@ from vllm_adaptive.speculative.eagle3_draft import (
     target_index,
 )
 from vllm_adaptive.speculative.eagle3_head import (
+    Eagle3HeadError,
+    check_head_for_target,
     default_aux_layers,
+    head_aux_layers,
     head_config,
     head_shapes,
+    load_head,
     save_head,
 )
 
@@ -132,6 +136,7 @@ _RESUME_KEYS = (
     "gen_prompt_len",
     "compute_dtype",
     "head_layers",
+    "init_head",
 )
 
 
@@ -174,6 +179,29 @@ def _resolve_layers(opts: DraftTrainOptions, num_layers: int) -> list[int]:
     return layers
 
 
+def _initial_head(opts: DraftTrainOptions) -> tuple[dict[str, Any], dict, torch.Tensor]:
+    """``--init-head``: the head to fine-tune, checked against the target and the options (its
+    aux layers, decoder layers and draft vocabulary are what its weights were trained for)."""
+    try:
+        check_head_for_target(opts.init_head, opts.model)
+        cfg, weights, draft_ids = load_head(opts.init_head)
+    except (OSError, ValueError, Eagle3HeadError) as e:
+        raise DraftTrainError(f"--init-head {opts.init_head}: {e}") from None
+    layers = head_aux_layers(cfg)
+    if opts.aux_layers and layers and list(opts.aux_layers) != layers:
+        raise DraftTrainError(
+            f"--aux-layers {opts.aux_layers}: --init-head {opts.init_head} reads layers {layers}"
+        )
+    opts.aux_layers = opts.aux_layers or layers
+    if int(cfg["num_hidden_layers"]) != opts.head_layers:
+        raise DraftTrainError(
+            f"--head-layers {opts.head_layers}: --init-head {opts.init_head} has "
+            f"{cfg['num_hidden_layers']} decoder layers"
+        )
+    opts.draft_vocab = len(draft_ids)
+    return cfg, weights, draft_ids
+
+
 def train(opts: DraftTrainOptions) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -191,15 +219,16 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     rope = target_cfg.get("rope_parameters") or target_cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise DraftTrainError(f"target rope {rope}: only the default rotary is implemented")
+    start = _initial_head(opts) if opts.init_head else None
     layers = _resolve_layers(opts, target_cfg["num_hidden_layers"])
     opts.aux_layers = layers
     corpora = [read_corpus(c) for c in opts.corpus]
     opts.corpus_sha256 = [c.sha256 for c in corpora]
     fingerprint = model_fingerprint(opts.model)
 
-    if opts.data_source not in ("text", "greedy"):
-        raise DraftTrainError(f"--data-source {opts.data_source!r}: text or greedy")
-    if opts.data_source == "greedy" and not 0 < opts.gen_prompt_len < opts.seq_len:
+    if opts.data_source not in ("text", "greedy", "chat"):
+        raise DraftTrainError(f"--data-source {opts.data_source!r}: text, greedy or chat")
+    if opts.data_source != "text" and not 0 < opts.gen_prompt_len < opts.seq_len:
         raise DraftTrainError(
             f"--gen-prompt-len {opts.gen_prompt_len}: want 1 to --seq-len - 1 ({opts.seq_len - 1})"
         )
@@ -218,7 +247,10 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
     vocab = target_cfg["vocab_size"]
     greedy_counts = torch.bincount(data.topk_ids[..., 0].flatten().long(), minlength=vocab)
     token_counts = torch.bincount(data.tokens.flatten().long(), minlength=vocab)
-    draft_ids = choose_draft_vocab(greedy_counts, token_counts, opts.draft_vocab)
+    if start is not None:
+        draft_ids = start[2]  # the head's own vocabulary: its lm_head rows are trained for it
+    else:
+        draft_ids = choose_draft_vocab(greedy_counts, token_counts, opts.draft_vocab)
     t2d_index = target_index(draft_ids, vocab)
     covered = float(greedy_counts[draft_ids].sum() / greedy_counts.sum().clamp(min=1))
 
@@ -226,7 +258,10 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         raise DraftTrainError(f"--head-layers {opts.head_layers}: want at least 1")
     cfg = head_config(target_cfg, opts.draft_vocab, layers, opts.head_layers)
     head = Eagle3Draft(cfg, target_state["model.embed_tokens.weight"])
-    init_from_target(head, target_state, draft_ids, layers[-1])
+    if start is not None:
+        head.load_state_dict(start[1])
+    else:
+        init_from_target(head, target_state, draft_ids, layers[-1])
     shapes = head_shapes(cfg)
     assert {n: tuple(t.shape) for n, t in head.state_dict().items()} == shapes
     del target_state
@@ -304,8 +339,11 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
             + (
                 "the corpora's calibration split"
                 if opts.data_source == "text"
+                else "the target's greedy answers to chat requests about calibration text"
+                if opts.data_source == "chat"
                 else "the target's greedy continuations of calibration prompts"
             )
+            + (f", fine-tuned from {opts.init_head}" if opts.init_head else "")
             + ", training-time test (vllm_adaptive/speculative/train_eagle3.py)",
             "compute_dtype": str(dtype).removeprefix("torch."),
             "device": _device_name(device),
@@ -403,6 +441,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
                 data.topk_logits[idx],
                 t2d_index,
                 draft_ids_dev,
+                None if data.keep is None else data.keep[idx],
             )
             losses.append(loss_j)
             agrees.append(float(agree_j))
