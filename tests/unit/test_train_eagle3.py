@@ -490,7 +490,16 @@ def test_cli_parses_train_draft() -> None:
     assert opts.corpus == ["a", "b"] and opts.aux_layers == [2, 15, 27]
     assert opts.draft_vocab == 8192 and opts.ttt_steps == 3 and opts.eval_k == 3
     assert opts.data_source == "text" and opts.compute_dtype == "auto" and opts.head_layers == 1
-    assert opts.device == "auto"
+    assert opts.device == "auto" and opts.init_head is None
+    te.resolve_prompt_lengths(opts)
+    assert (opts.gen_prompt_len, opts.eval_prompt_len) == (32, 64)
+    chat = te.options_from_args(
+        build_parser().parse_args(
+            "train draft --model M --corpus a --out H --data-source chat --init-head G".split()
+        )
+    )
+    te.resolve_prompt_lengths(chat)  # room for the template and the instruction
+    assert (chat.gen_prompt_len, chat.eval_prompt_len, chat.init_head) == (96, 96, "G")
 
 
 def test_early_stop_keeps_the_best_head_and_stays_stopped(

@@ -21,7 +21,8 @@ class DraftTrainOptions:
     #: "chat": the same with chat-template prompts (``chat_prompts.py``), the loss ending at the
     #: answer's end of turn
     data_source: str = "text"
-    gen_prompt_len: int = 32
+    #: None: 32 for "greedy", 96 for "chat" (the template and instruction take about 40)
+    gen_prompt_len: int | None = None
     gen_batch: int = 64
     #: target passes and head training: "auto" is bfloat16 where the CPU computes it natively
     compute_dtype: str = "auto"
@@ -51,7 +52,8 @@ class DraftTrainOptions:
     eval_k: int = 3
     eval_every: int = 25
     eval_prompts: int = 8
-    eval_prompt_len: int = 64
+    #: None: 64, or 96 for "chat"
+    eval_prompt_len: int | None = None
     eval_new_tokens: int = 64
     patience: int = 4
     min_delta: float = 0.005
@@ -73,6 +75,16 @@ def _layers(text: str) -> list[int]:
     if len(layers) != 3:
         raise argparse.ArgumentTypeError(f"--aux-layers wants three layers, got {text!r}")
     return layers
+
+
+def resolve_prompt_lengths(opts: DraftTrainOptions) -> None:
+    """Fill the prompt lengths left to their defaults: a chat prompt carries the template and an
+    instruction before its text, so it gets more tokens."""
+    chat = opts.data_source == "chat"
+    if opts.gen_prompt_len is None:
+        opts.gen_prompt_len = 96 if chat else 32
+    if opts.eval_prompt_len is None:
+        opts.eval_prompt_len = 96 if chat else 64
 
 
 def add_draft_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,7 +114,12 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
         "chat: the same with chat requests about calibration text in the model's chat "
         "template, trained up to the answer's end of turn (eval prompts are chat requests too)",
     )
-    p.add_argument("--gen-prompt-len", type=int, default=d.gen_prompt_len)
+    p.add_argument(
+        "--gen-prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens of a generated window (default: 32, or 96 with --data-source chat)",
+    )
     p.add_argument(
         "--gen-batch", type=int, default=d.gen_batch, help="prompts per greedy generation batch"
     )
@@ -161,7 +178,12 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-k", type=int, default=d.eval_k, help="drafted tokens per step (k)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evals")
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
-    p.add_argument("--eval-prompt-len", type=int, default=d.eval_prompt_len)
+    p.add_argument(
+        "--eval-prompt-len",
+        type=int,
+        default=None,
+        help="held-out prompt tokens (default: 64, or 96 with --data-source chat)",
+    )
     p.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens)
     p.add_argument(
         "--patience",

@@ -74,7 +74,11 @@ from typing import Any
 
 import torch
 
-from vllm_adaptive.speculative.draft_args import DraftTrainOptions, options_from_args
+from vllm_adaptive.speculative.draft_args import (
+    DraftTrainOptions,
+    options_from_args,
+    resolve_prompt_lengths,
+)
 from vllm_adaptive.speculative.eagle3_data import (
     build_data,
     choose_draft_vocab,
@@ -228,6 +232,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
 
     if opts.data_source not in ("text", "greedy", "chat"):
         raise DraftTrainError(f"--data-source {opts.data_source!r}: text, greedy or chat")
+    resolve_prompt_lengths(opts)
     if opts.data_source != "text" and not 0 < opts.gen_prompt_len < opts.seq_len:
         raise DraftTrainError(
             f"--gen-prompt-len {opts.gen_prompt_len}: want 1 to --seq-len - 1 ({opts.seq_len - 1})"
