@@ -194,3 +194,16 @@ def test_hybrid_tally_is_the_last_one_the_server_logged(tmp_path) -> None:
     log.write_text("a server that does not mix drafts\n")
     assert servers.hybrid_tally(log) == {}
     assert servers.hybrid_tally(tmp_path / "missing.log") == {}
+
+
+def test_each_concurrency_level_gets_prompts_of_its_own(tmp_path) -> None:
+    prompts = [f"prompt {i}" for i in range(40)]
+    paths = serve_client.split_prompts(prompts, {1: 16, 8: 16}, tmp_path)
+    read = {
+        c: [json.loads(line)["prompt"] for line in p.read_text().splitlines()]
+        for c, p in paths.items()
+    }
+    assert read[1] == prompts[:16] and read[8] == prompts[16:32]
+    assert not set(read[1]) & set(read[8])  # nothing a level could find in the prefix cache
+    with pytest.raises(servers.OnlineBenchError, match="40 prompts for 48"):
+        serve_client.split_prompts(prompts, {1: 16, 8: 32}, tmp_path)

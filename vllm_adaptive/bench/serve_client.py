@@ -58,6 +58,21 @@ def write_prompts(
     return prompts
 
 
+def split_prompts(prompts: Sequence[str], counts: dict[int, int], out_dir: Path) -> dict[int, Path]:
+    """One dataset file per concurrency level, ``counts[c]`` prompts each, no prompt in two
+    levels (a level repeating another's prompts would time vLLM's prefix cache, not prefill)."""
+    if sum(counts.values()) > len(prompts):
+        raise OnlineBenchError(f"{len(prompts)} prompts for {sum(counts.values())} requests")
+    paths: dict[int, Path] = {}
+    start = 0
+    for c, n in counts.items():
+        paths[c] = out_dir / f"prompts-c{c}.jsonl"
+        mine = prompts[start : start + n]
+        paths[c].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in mine))
+        start += n
+    return paths
+
+
 def client_command(
     url: str,
     model_dir: Path,
