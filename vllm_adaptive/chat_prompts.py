@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vllm_adaptive.corpora import spread_windows
+
 CODE_INSTRUCTIONS = (
     "Explain what this Python code does.",
     "Is there a bug in this code? Explain briefly.",
@@ -57,16 +59,6 @@ def template_ids(tok) -> tuple[list[int], list[int]]:
     return enc(before), enc(after)
 
 
-def _spread(ids: list[int], length: int, count: int) -> list[list[int]]:
-    """Up to ``count`` windows of ``length`` tokens spread evenly over ``ids``."""
-    available = len(ids) // length
-    if available == 0:
-        return []
-    count = min(count, available)
-    stride = available // count
-    return [ids[i * stride * length : (i * stride + 1) * length] for i in range(count)]
-
-
 def chat_prompt_ids(
     tok, text: str, corpus_path: str | Path, count: int, length: int
 ) -> list[list[int]]:
@@ -86,7 +78,7 @@ def chat_prompt_ids(
     ids = enc(text)
     out = []
     longest_body = length - len(before) - len(after) - min(len(h) for h in heads)
-    for n, w in enumerate(_spread(ids, longest_body, count)):
+    for n, w in enumerate(spread_windows(ids, longest_body, count)):
         head = heads[n % len(heads)]
         body = w[: length - len(before) - len(after) - len(head)]
         out.append([*before, *head, *body, *after])
@@ -98,7 +90,7 @@ def chat_messages(tok, text: str, corpus_path: str | Path, count: int, tokens: i
     client that applies the chat template itself (``vllm bench serve``)."""
     instructions = instructions_for(corpus_path)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    windows = _spread(ids, tokens, count)
+    windows = spread_windows(ids, tokens, count)
     return [
         user_message(instructions[n % len(instructions)], tok.decode(w).strip())
         for n, w in enumerate(windows)

@@ -65,6 +65,17 @@ def token_windows(token_ids: list[int], length: int, count: int) -> list[list[in
     return [token_ids[i * stride * length : i * stride * length + length] for i in range(count)]
 
 
+def spread_windows(token_ids: list[int], length: int, count: int) -> list[list[int]]:
+    """Up to ``count`` non-overlapping windows of ``length`` tokens spread evenly over the text
+    (fewer when it is short; :func:`token_windows` refuses instead)."""
+    available = len(token_ids) // length
+    count = min(count, available)
+    if count < 1:
+        return []
+    stride = available // count
+    return [token_ids[i * stride * length : i * stride * length + length] for i in range(count)]
+
+
 def token_windows_with_next(
     tok, texts: list[str], window: int, count: int
 ) -> tuple[list[list[int]], list[int]]:

@@ -59,8 +59,8 @@ def rates(n_list: list[int], k: int) -> dict:
 def main() -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from vllm_adaptive.corpora import prompt_bos, read_corpus
-    from vllm_adaptive.speculative.eagle3_data import _spread_windows, greedy_continuations
+    from vllm_adaptive.corpora import prompt_bos, read_corpus, spread_windows
+    from vllm_adaptive.speculative.eagle3_data import greedy_continuations
 
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -85,7 +85,7 @@ def main() -> None:
         cf = read_corpus(path)
         ids = tok(cf.eval_text, add_special_tokens=False)["input_ids"]
         body = a.prompt_len - (1 if bos is not None else 0)
-        prompts = [w[:body] for w in _spread_windows(ids, body + a.new_tokens, a.prompts)]
+        prompts = [w[:body] for w in spread_windows(ids, body + a.new_tokens, a.prompts)]
         if bos is not None:
             prompts = [[bos, *p] for p in prompts]
         ev = greedy_continuations(model, torch.tensor(prompts), a.new_tokens, layers)

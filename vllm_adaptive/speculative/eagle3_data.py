@@ -35,15 +35,6 @@ def choose_draft_vocab(
 
 
 # -- data -------------------------------------------------------------------------------------
-def _spread_windows(ids: list[int], length: int, count: int) -> list[list[int]]:
-    available = len(ids) // length
-    count = min(count, available)
-    if count < 1:
-        return []
-    stride = available // count
-    return [ids[i * stride * length : i * stride * length + length] for i in range(count)]
-
-
 def _aux(hidden_states, layers: list[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
@@ -203,7 +194,7 @@ def build_data(
     run with the same spec cached (shards: an interrupted generation continues)."""
     from tqdm import tqdm
 
-    from vllm_adaptive.corpora import prompt_bos
+    from vllm_adaptive.corpora import prompt_bos, spread_windows
 
     spec_path = data_dir / "spec.json"
     if spec_path.is_file() and json.loads(spec_path.read_text()) != spec:
@@ -238,7 +229,7 @@ def build_data(
                     got = _chat_ids(tok, cf.calibration_text, cf.path, want, body)
                 else:
                     ids = tok(cf.calibration_text, add_special_tokens=False)["input_ids"]
-                    got = _spread_windows(ids, body, want)
+                    got = spread_windows(ids, body, want)
                 if len(got) < want:
                     print(
                         f"corpus {cf.path}: {len(ids)} calibration tokens give {len(got)} "
@@ -252,7 +243,7 @@ def build_data(
             elif need_eval and pwant:
                 eids = tok(cf.eval_text, add_special_tokens=False)["input_ids"]
                 span = prompt_body + opts.eval_new_tokens  # prompts spread over the eval text
-                prompts.extend(w[:prompt_body] for w in _spread_windows(eids, span, pwant))
+                prompts.extend(w[:prompt_body] for w in spread_windows(eids, span, pwant))
         if bos is not None:
             windows = [[bos, *w] for w in windows]
             prompts = [[bos, *w] for w in prompts]
