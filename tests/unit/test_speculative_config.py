@@ -88,6 +88,18 @@ def test_engine_start_needs_the_plugin_proposer() -> None:
     check_engine_compatible(_vllm_config(SimpleNamespace(method="custom_class")), adaptive)
 
 
+def test_a_batch_size_schedule_is_refused_not_ignored() -> None:
+    """vLLM hands the scheduler's per-batch-size k to its own proposers only; the plugin's
+    custom_class proposer would draft num_speculative_tokens at every batch size."""
+    from vllm_adaptive.models.llama import check_engine_compatible
+
+    adaptive = parse_adaptive_config({"speculative": {"draft": "lowbit"}})
+    schedule = [[1, 2, 4], [3, 1024, 0]]
+    spec = SimpleNamespace(method="custom_class", num_speculative_tokens_per_batch_size=schedule)
+    with pytest.raises(AdaptiveConfigError, match="num_speculative_tokens_per_batch_size"):
+        check_engine_compatible(_vllm_config(spec), adaptive)
+
+
 def test_proposer_without_settings_is_refused() -> None:
     from vllm_adaptive.speculative.proposer import SelfSpeculativeProposer
 

@@ -54,6 +54,14 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             f'{{"method": "custom_class", "model": "{SELF_SPECULATIVE_PROPOSER}", '
             '"num_speculative_tokens": k}'
         )
+    if adaptive.active_speculative is not None and getattr(
+        spec, "num_speculative_tokens_per_batch_size", None
+    ):
+        raise AdaptiveConfigError(
+            "adaptive.speculative: vLLM does not tell a custom_class proposer the per-batch-size "
+            "k of num_speculative_tokens_per_batch_size, so the schedule would be ignored; "
+            "drop it from speculative_config (the plugin's proposer drafts num_speculative_tokens)"
+        )
     if adaptive.active_hybrid is not None:
         from vllm_adaptive.speculative.hybrid import engine_problem
 
