@@ -102,17 +102,21 @@ def test_hybrid_without_a_learned_drafter_refused_at_start(
     assert "adaptive.hybrid mixes lookup drafts into vLLM's learned drafter" in out, out[-2000:]
 
 
-@pytest.mark.parametrize("method", ["suffix", "ngram"])
+@pytest.mark.parametrize("method", ["suffix", "suffix-per-batch-size", "ngram"])
 def test_vllm_lookup_drafters_on_the_fp16_gear_identical_to_stock(
     model_dir: Path, stock_f32: dict, method: str
 ) -> None:
     """serve.sh's float32 default: the fixed fp16 gear under vLLM's own suffix drafter (ngram,
     which needs no extra package, the same path): drafts verified in float32, greedy output
-    identical to stock float32's, drafts really accepted."""
-    if method == "suffix":
+    identical to stock float32's, drafts really accepted. With a per-batch-size schedule (k 8
+    for one request, none above, as serve.sh sets it) vLLM 0.32's suffix proposer would
+    assert at the first batch of two (intrusion suffix-dynamic-k)."""
+    if method.startswith("suffix"):
         pytest.importorskip("arctic_inference", reason="bash scripts/install-suffix-decoding.sh")
         spec = {"method": "suffix", "num_speculative_tokens": 8}
         spec["suffix_decoding_max_cached_requests"] = 0
+        if method == "suffix-per-batch-size":
+            spec["num_speculative_tokens_per_batch_size"] = [[1, 1, 8], [2, 1024, 0]]
     else:
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     fp16 = {"precision": {"policy": "fixed", "gear": "fp16"}}

@@ -94,6 +94,7 @@ def test_registry_entries_are_complete():
         "cpu-expand-kernel",
         "drafter-runner",
         "hybrid-drafts",
+        "suffix-dynamic-k",
     }
     for name, entry in INTRUSIONS.items():
         assert entry.name == name and entry.replaces and entry.versions
@@ -229,3 +230,52 @@ def test_hybrid_wrappers_call_the_models_hook_and_only_it(with_hook):
         ]
     else:
         assert drafts == [[1], [2, 3]] and hook.calls == []
+
+
+def test_suffix_proposer_drafts_at_most_the_schedulers_k(monkeypatch):
+    """vLLM's suffix proposer (Arctic Inference's trees) asserts k == num_speculative_tokens;
+    patched, it drafts at most the k the scheduler asks this step, still learns the step's
+    tokens at k 0, and keeps its own k for the next step."""
+    pytest.importorskip("arctic_inference", reason="bash scripts/install-suffix-decoding.sh")
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    vllms = SuffixDecodingProposer.__dict__["propose"]
+    vllms = getattr(vllms, "__wrapped__", vllms)  # an engine in this process may have patched it
+    monkeypatch.setattr(SuffixDecodingProposer, "propose", vllms)
+    monkeypatch.setattr(intrusions, "_outcomes", {})
+    spec = SimpleNamespace(
+        num_speculative_tokens=8,
+        suffix_decoding_max_tree_depth=24,
+        suffix_decoding_max_spec_factor=4.0,
+        suffix_decoding_min_token_prob=0.0,
+        suffix_decoding_max_cached_requests=0,
+    )
+    cfg = SimpleNamespace(speculative_config=spec, model_config=SimpleNamespace(max_model_len=256))
+    proposer = SuffixDecodingProposer(cfg)
+    tokens = np.zeros((1, 256), dtype=np.int32)
+    prompt = [5, 6, 7, 8, 9] * 6
+    tokens[0, : len(prompt)] = prompt
+
+    def batch(n: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            req_ids=["r"],
+            req_id_to_index={"r": 0},
+            num_tokens_no_spec=np.array([n]),
+            num_prompt_tokens=np.array([len(prompt)]),
+            token_ids_cpu=tokens,
+        )
+
+    with pytest.raises(AssertionError):  # vLLM's own: a k other than its own kills the step
+        proposer.propose(2, batch(len(prompt)), [[]])
+    assert apply("suffix-dynamic-k") is True
+    tokens[0, 30] = 5
+    assert proposer.propose(0, batch(31), [[5]]) == [[]]  # no draft, the token learned
+    tokens[0, 31] = 6
+    (two,) = proposer.propose(2, batch(32), [[6]])
+    assert two == [7, 8] and proposer.num_speculative_tokens == 8
+    tokens[0, 32] = 7
+    (full,) = proposer.propose(8, batch(33), [[7]])
+    assert len(full) == 8 and full[:3] == [8, 9, 5]

@@ -68,6 +68,15 @@ Applied where they must be, through :func:`apply`:
     they match. vLLM runs one drafter per engine and has no hook between them. Runners whose
     model has none run vLLM's code unchanged.
 
+``suffix-dynamic-k`` (adaptive model construction, a suffix ``speculative_config`` with
+    ``num_speculative_tokens_per_batch_size``)
+    ``SuffixDecodingProposer.propose``: vLLM's scheduler hands every proposer the k its
+    per-batch-size schedule picks, and vLLM 0.32's suffix proposer asserts that k equals
+    ``num_speculative_tokens``, which kills the engine at the first batch size whose k differs
+    (seen through ``vllm serve``: every request above the schedule's first range failed). It
+    gets that k as its longest draft instead (0: the suffix trees still learn the step's tokens,
+    no draft). Other engines keep vLLM's proposer, assertion included.
+
 Not in the registry, because vLLM or torch offers them as hooks: the entry points
 ``vllm.stat_logger_plugins`` (``metrics.py``) and ``vllm.endpoint_plugins`` (``routes.py``); the
 ``custom_class`` speculative proposer; a torch forward pre-hook the proposer puts on the model it
@@ -519,6 +528,33 @@ def hybrid_take_drafts(take: Callable) -> Callable:
     return _mark(wrapped)
 
 
+def suffix_dynamic_k(propose: Callable) -> Callable:
+    """``SuffixDecodingProposer.propose`` drafting at most the scheduler's k this step."""
+
+    @functools.wraps(propose)
+    def wrapped(self, num_speculative_tokens: int, *args, **kwargs):
+        full = self.num_speculative_tokens
+        if num_speculative_tokens == full:
+            return propose(self, num_speculative_tokens, *args, **kwargs)
+        self.num_speculative_tokens = num_speculative_tokens  # read as the draft's length cap
+        try:
+            return propose(self, num_speculative_tokens, *args, **kwargs)
+        finally:
+            self.num_speculative_tokens = full
+
+    return _mark(wrapped)
+
+
+def _patch_suffix_dynamic_k() -> bool:
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    original = SuffixDecodingProposer.__dict__["propose"]
+    if _patched(original):
+        return False
+    SuffixDecodingProposer.propose = suffix_dynamic_k(original)
+    return True
+
+
 def _patch_hybrid_drafts() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -586,6 +622,14 @@ INTRUSIONS: dict[str, Intrusion] = {
             "GPUModelRunner.propose_draft_token_ids, _bookkeeping_sync and take_draft_token_ids",
             "model construction",
             _patch_hybrid_drafts,
+            other_versions="apply",
+            required=True,
+        ),
+        Intrusion(
+            "suffix-dynamic-k",
+            "SuffixDecodingProposer.propose",
+            "model construction",
+            _patch_suffix_dynamic_k,
             other_versions="apply",
             required=True,
         ),

@@ -87,6 +87,13 @@ class AdaptiveCausalLM(HasAdaptiveParts):
         self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
         self.depth = None  # read by the introspection and the proposer
         self.hybrid_drafts = None  # read by the model runner (intrusion hybrid-drafts)
+        spec = vllm_config.speculative_config
+        if getattr(spec, "method", None) == "suffix" and getattr(
+            spec, "num_speculative_tokens_per_batch_size", None
+        ):
+            from vllm_adaptive.engine import intrusions
+
+            intrusions.apply("suffix-dynamic-k")  # vLLM's suffix proposer asserts a fixed k
         if adaptive.active_hybrid is not None:
             from vllm_adaptive.engine import intrusions
             from vllm_adaptive.speculative.hybrid import HybridDrafts
