@@ -64,6 +64,7 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
                 min(r["output_throughput"] for r in runs),
                 max(r["output_throughput"] for r in runs),
             ]
+            med["failed_total"] = sum(r.get("failed") or 0 for r in runs)
             per_c[str(c)] = med
         rows[s["label"]] = per_c
     baseline = {}
@@ -85,10 +86,17 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
         for c, med in per_c.items():
             base = rows[baseline[c]][c] if c in baseline else None
             if base:
-                med["x_output_throughput"] = med["output_throughput"] / base["output_throughput"]
-                med["x_ttft"] = base["median_ttft_ms"] / med["median_ttft_ms"]
-                med["x_tpot"] = base["median_tpot_ms"] / med["median_tpot_ms"]
+                med["x_output_throughput"] = _ratio(
+                    med["output_throughput"], base["output_throughput"]
+                )
+                med["x_ttft"] = _ratio(base["median_ttft_ms"], med["median_ttft_ms"])
+                med["x_tpot"] = _ratio(base["median_tpot_ms"], med["median_tpot_ms"])
     return {"baseline": baseline, "servers": rows}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None where either is missing or ``b`` is 0 (a level whose requests failed)."""
+    return a / b if a is not None and b else None
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -152,8 +160,11 @@ def _online_markdown(report: dict[str, Any]) -> str:
             q = s.get("agreement", {}).get(c)
             agree = f"{q['identical']:.2f}" if q else "ref" if s["stock"] and not q else "-"
             acc = f" / acc {m['spec_acceptance']:.2f}" if "spec_acceptance" in m else ""
+            if m.get("failed_total"):
+                acc += f" / **{m['failed_total']} failed**"
+            x = m.get("x_output_throughput")
             cells.append(
-                f"{m['output_throughput']:.1f} ({m.get('x_output_throughput', float('nan')):.2f}x)"
+                f"{m['output_throughput']:.1f} ({'-' if x is None else f'{x:.2f}'}x)"
                 f" / {m['median_tpot_ms']:.1f} / {m['median_ttft_ms']:.0f} / {agree}{acc}"
             )
         starts = s["starts"]
