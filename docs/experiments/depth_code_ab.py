@@ -1,8 +1,11 @@
 """In-process A/B of the depth runtime between two versions of the plugin's code: best-of-3
-decode tok/s at batch 1 and 8 (bf16, EMAD budget 0.85), one engine per process.
+decode tok/s at batch 1 and 8, one engine per process, with the engine's depth counters.
 
     PYTHONPATH=runs/code/<commit> python docs/experiments/depth_code_ab.py PROFILE   # before
     python docs/experiments/depth_code_ab.py PROFILE                                  # after
+
+Optional after PROFILE: a dtype (default bfloat16), a budget (default 0.85; "profile": the
+profile's own) and a precision gear (e.g. fp16; default none).
 
 (`vllm-adaptive bench-serve` extracts runs/code/<commit> for a server spec with "code".) Run
 the two alternately (A B A B): this host's noise is larger than the difference sought.
@@ -26,14 +29,25 @@ def main() -> None:
     from vllm_adaptive.model_zoo import model_dir
 
     profile = sys.argv[1]
+    dtype = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+    budget = sys.argv[3] if len(sys.argv) > 3 else "0.85"
+    gear = sys.argv[4] if len(sys.argv) > 4 else None
+    adaptive: dict = {"depth": {"profile": profile}}
+    if budget != "profile":
+        adaptive["depth"]["budget"] = float(budget)
+    if gear:
+        adaptive["precision"] = {"policy": "fixed", "gear": gear}
     llm = LLM(
         model=str(model_dir("smollm2-135m-instruct")),
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=1024,
         seed=0,
-        additional_config={"adaptive": {"depth": {"profile": profile, "budget": 0.85}}},
+        additional_config={"adaptive": adaptive},
     )
-    words = Path("runs/corpora/prose.txt").read_text()[50000:80000].split()
+    corpus = Path("runs/corpora/prose.txt")
+    if not corpus.is_file():  # `vllm-adaptive calibrate` writes the corpora here
+        corpus = Path.home() / ".cache/vllm-adaptive/corpora/prose.txt"
+    words = corpus.read_text()[50000:80000].split()
     prompts = [" ".join(words[i * 60 : (i + 1) * 60]) for i in range(8)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
@@ -49,6 +63,12 @@ def main() -> None:
             llm.generate(prompts[:batch], params, use_tqdm=False)
             best = max(best, batch * 64 / (time.perf_counter() - t0))
         out[f"batch{batch}_tok_s"] = round(best, 1)
+    from vllm_adaptive.introspection import depth_telemetry
+
+    eng = llm.apply_model(depth_telemetry)[0]["engine"]
+    keys = ("steps", "whole_stack_steps", "span_steps", "peels", "exit_tokens")
+    keys += ("decision_seconds", "forward_seconds", "block_compile_seconds")
+    out["engine"] = {k: eng.get(k) for k in keys}
     print("RESULT", json.dumps(out), flush=True)
 
 

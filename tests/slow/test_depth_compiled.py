@@ -1,7 +1,8 @@
 """Adaptive depth on its compiled path (the engine not eager: each decoder block compiled at
 vLLM's warm-up, models/compiled_blocks.py), through one real float32 engine.
 
-Budget 1.0 must give stock vLLM's greedy text; requests below it must exit; the KV audit
+Budget 1.0 must give stock vLLM's greedy text; requests below it must exit, probing on spans
+(the stretches between probe layers compiled as one graph each); the KV audit
 (tests/support/depth_probe.py) must see no read of a (layer, slot) never written while exits,
 a capped prefix-hit prefill, chunked prefill and preemption run through compiled blocks; and
 the compile must be over before the first request.
@@ -68,6 +69,8 @@ def test_exits_and_kv_audit_on_compiled_blocks(compiled_depth_llm) -> None:
     assert report["violations"] == 0, report["first_violations"]
     assert metric(llm, "vllm:num_preemptions") > preempt0
     assert eng["peels"] > eng0["peels"]  # batches were subset mid-step
+    # steps that probed ran the stretches between probe layers as one graph each
+    assert eng["span_steps"] > eng0["span_steps"]
     assert eng["capped_prefills"] > eng0["capped_prefills"]
     exited = {int(k): v for k, v in eng["exit_tokens"].items() if int(k) < 30}
     assert sum(exited.values()) > 0

@@ -6,6 +6,8 @@ graph would get wrong."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -127,3 +129,37 @@ def test_a_span_of_blocks_is_one_graph_equal_to_its_blocks_run_eagerly() -> None
         # a stack that dropped or repeated a block would not match (the check can fail)
         short = _run(eager[:3], pos, h)
         assert not torch.allclose(stack(pos, h, None)[0], short[0])
+
+
+def test_spans_cut_the_stack_after_each_probe_layer() -> None:
+    """Steps that probe run the stack in spans cut after the probe layers: consecutive, covering
+    every block once, and chained they give the blocks' output (the last span's residual
+    included); cuts outside the stack are dropped."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive.models.compiled_blocks import with_compiled_spans
+
+    torch.manual_seed(4)
+    eager = [ToyBlock(i).eval() for i in range(5)]
+    layers = tuple(SimpleNamespace(block=b) for b in eager)
+    parts = with_compiled_spans(_Parts(layers=layers), cuts=(2, 0, 4, 5, 2))
+    assert [(a, b) for a, b, _ in parts.spans] == [(0, 2), (2, 4), (4, 5)]
+    with torch.inference_mode():
+        pos, h = _inputs(6, 7)
+        r = None
+        for _, _, span in parts.spans:  # the warm-up
+            h, r = span.warm_up(pos, h, r)
+        for n in (1, 4):
+            pos, h = _inputs(n, n + 30)
+            want = _run(eager, pos, h)
+            got, r = h, None
+            for _, b, span in parts.spans:
+                got, r = span(pos, got, r)
+                torch.testing.assert_close(got, _run(eager[:b], pos, h)[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(r, want[1], rtol=1e-4, atol=1e-5)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    layers: tuple
+    spans: tuple = ()

@@ -116,6 +116,8 @@ class DepthRuntime:
         )
         self.dtype = dtype
         self.parts = parts
+        self._spans: dict[int, tuple[int, Any]] = {}  # start -> (end, graph)
+        self._span_ends: frozenset[int] = frozenset()
         self.record: SlotDepthRecord | None = None
         self.store: ExitStateStore | None = None
         self.state: KvState | None = None  # the KV strategies' view, once the KV cache exists
@@ -135,6 +137,22 @@ class DepthRuntime:
     def weights_loaded(self) -> None:
         """The float weights are loaded (the Exit River quantizes its copies from them)."""
         self.kv.weights_loaded(self.parts, self.num_layers)
+
+    def span_cuts(self) -> tuple[int, ...]:
+        """Where the stack may be cut into compiled spans for steps that probe: after each probe
+        layer. Empty where a step needs more between blocks than a probe layer's output (the
+        block's input stream, ARLA's accelerated stream, token fusion)."""
+        if self.fusion is not None or self.accelerated is not None:
+            return ()
+        if self.exits.signal.needs_prev_stream or self.kv.owns_layer_loop:
+            return ()
+        return tuple(self.profile.probe_layers)
+
+    def attach_spans(self, parts: ModelParts) -> None:
+        """Run with ``parts`` (the same model with :attr:`ModelParts.spans` compiled)."""
+        self.parts = parts
+        self._spans = {a: (b, graph) for a, b, graph in parts.spans}
+        self._span_ends = frozenset(b for _, b, _ in parts.spans)
 
     # -- state next to the KV cache ------------------------------------------------------------
     def _ensure_record(self, parts: ModelParts) -> bool:
@@ -181,6 +199,7 @@ class DepthRuntime:
         """Seconds the decoder blocks spent compiling (at vLLM's warm-up); None when they run
         eagerly or have not all compiled yet."""
         graphs = [layer.compiled for layer in self.parts.layers] + [self.parts.compiled_stack]
+        graphs += [graph for _, _, graph in self.parts.spans]
         seconds = [getattr(graph, "compile_seconds", None) for graph in graphs]
         if any(s is None for s in seconds):
             return None
@@ -372,9 +391,19 @@ class DepthRuntime:
             h, res = parts.run_stack(pos, h, res)
             final, _ = parts.final_norm(h, res)
             return final, depth
+        # rows stop only after probe layers: the stretches between them as one graph each
+        spans = self._spans if self._caps_at_span_ends(plan.cap) else None
+        if spans is not None:
+            counters.span_steps += 1
         for i, layer in enumerate(parts.layers):
             count = i + 1
-            if self.accelerated is not None and any_exit and rows.numel() > 0:
+            if spans is not None:
+                span = spans.get(i)
+                if span is not None:
+                    h, res = span[1](pos, h, res)
+                if count not in self._span_ends:
+                    continue  # inside a span: nothing to decide here
+            elif self.accelerated is not None and any_exit and rows.numel() > 0:
                 t0 = time.perf_counter()
                 act = ActiveRows(rows, row_starts, tok, pos, h, res)
                 got = self._accelerate(step, act, i)
@@ -382,9 +411,10 @@ class DepthRuntime:
                     stash = got  # a new interval: the previous one's states are done
                 counters.accelerated_seconds += time.perf_counter() - t0
             prev = None
-            if any_exit and exits.needs_prev(count):
+            if spans is None and any_exit and exits.needs_prev(count):
                 prev = h if res is None else h + res  # the block's input stream
-            h, res = layer.run_block(pos, h, res)
+            if spans is None:
+                h, res = layer.run_block(pos, h, res)
             if count in fusion_layers and rows.numel() > 0:
                 t1 = time.perf_counter()
                 got = self.fusion.fuse(
@@ -463,6 +493,13 @@ class DepthRuntime:
             self.fusion.alias_outputs(step_fusion, out)
         return out, depth
 
+    def _caps_at_span_ends(self, cap: torch.Tensor) -> bool:
+        """Spans compiled, and every row's cap is the stack's end or a span's end."""
+        if not self._spans:
+            return False
+        ends = self._span_ends
+        return all(c in ends for c in cap.unique().tolist() if c < self.num_layers)
+
     @staticmethod
     def _publish_positions(pos: torch.Tensor) -> None:
         """The masked backend's per-query positions for the rows now running (token fusion)."""
@@ -529,6 +566,7 @@ class DepthRuntime:
             "backfilled_kv": c.backfilled_kv,
             "peels": c.peels,
             "whole_stack_steps": c.whole_stack_steps,
+            "span_steps": c.span_steps,
             "accelerated_rows": c.accelerated_rows,
             "accelerated_token_layers": c.accelerated_token_layers,
             "arla_exits": c.arla_exits,

@@ -155,6 +155,10 @@ class ModelParts:
     info: dict[str, Any] = field(default_factory=dict)  # architecture notes for logs
     #: every layer's block in one compiled graph (``models/compiled_blocks.py``); None: eager
     compiled_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: ``(start, end, graph)``: layers ``start .. end - 1`` in one compiled graph, consecutive
+    #: spans covering the stack, cut where the depth runtime decides (its probe layers); empty
+    #: where nothing asked for them or the engine runs eagerly
+    spans: tuple[tuple[int, int, Callable[..., tuple[torch.Tensor, torch.Tensor]]], ...] = ()
 
     def run_stack(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None

@@ -179,6 +179,9 @@ class AdaptiveLlamaModel(LlamaModel):
             if runtime.block_compile_seconds() is None and attention_skipped():
                 if parts.compiled_stack is not None:
                     parts.compiled_stack.warm_up(positions, hidden, residual)
+                h, r = hidden, residual
+                for _, _, span in parts.spans:
+                    h, r = span.warm_up(positions, h, r)
                 for layer in parts.layers:
                     if layer.compiled is not None:
                         hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
@@ -404,6 +407,11 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
             self.depth = load_depth_runtime(
                 parts, vllm_config, adaptive.active_depth, parts.head.weight
             )
+            cuts = self.depth.span_cuts() if self._compile_blocks else ()
+            if cuts:
+                from vllm_adaptive.models.compiled_blocks import with_compiled_spans
+
+                self.depth.attach_spans(with_compiled_spans(parts, cuts))
             self.model.depth_runtime = self.depth
             register_listener("depth", self.depth)
 
