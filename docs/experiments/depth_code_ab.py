@@ -22,6 +22,7 @@ from pathlib import Path
 
 
 def main() -> None:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
     from vllm import LLM, SamplingParams
 
     import vllm_adaptive

@@ -135,15 +135,16 @@ def test_spans_cut_the_stack_after_each_probe_layer() -> None:
     """Steps that probe run the stack in spans cut after the probe layers: consecutive, covering
     every block once, and chained they give the blocks' output (the last span's residual
     included); cuts outside the stack are dropped."""
-    from types import SimpleNamespace
-
     from vllm_adaptive.models.compiled_blocks import with_compiled_spans
 
     torch.manual_seed(4)
     eager = [ToyBlock(i).eval() for i in range(5)]
-    layers = tuple(SimpleNamespace(block=b) for b in eager)
+    layers = tuple(
+        _Layer(block=b, compiled=CompiledSpan((b,), f"toy_cut_{i}")) for i, b in enumerate(eager)
+    )
     parts = with_compiled_spans(_Parts(layers=layers), cuts=(2, 0, 4, 5, 2))
     assert [(a, b) for a, b, _ in parts.spans] == [(0, 2), (2, 4), (4, 5)]
+    assert all(layer.compiled is None for layer in parts.layers)  # the spans replace them
     with torch.inference_mode():
         pos, h = _inputs(6, 7)
         r = None
@@ -157,6 +158,12 @@ def test_spans_cut_the_stack_after_each_probe_layer() -> None:
                 got, r = span(pos, got, r)
                 torch.testing.assert_close(got, _run(eager[:b], pos, h)[0], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(r, want[1], rtol=1e-4, atol=1e-5)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    block: nn.Module
+    compiled: CompiledSpan | None = None
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class DepthRuntime:
         block's input stream, ARLA's accelerated stream, token fusion)."""
         if self.fusion is not None or self.accelerated is not None:
             return ()
-        if self.exits.signal.needs_prev_stream or self.kv.owns_layer_loop:
+        if self.exits.signal.needs_prev_stream or self.kv.owns_layer_loop or self.kv.runs_blocks:
             return ()
         return tuple(self.profile.probe_layers)
 
@@ -199,9 +199,9 @@ class DepthRuntime:
         """Seconds the decoder blocks spent compiling (at vLLM's warm-up); None when they run
         eagerly or have not all compiled yet."""
         graphs = [layer.compiled for layer in self.parts.layers] + [self.parts.compiled_stack]
-        graphs += [graph for _, _, graph in self.parts.spans]
+        graphs = [g for g in graphs if g is not None] + [g for _, _, g in self.parts.spans]
         seconds = [getattr(graph, "compile_seconds", None) for graph in graphs]
-        if any(s is None for s in seconds):
+        if not graphs or any(s is None for s in seconds):
             return None
         return float(sum(seconds))
 

@@ -79,6 +79,8 @@ class KvStrategy:
     fills_every_layer: ClassVar[bool] = False
     #: runs every row through every layer in its own `run_layers` instead of depth-peeling
     owns_layer_loop: ClassVar[bool] = False
+    #: runs decoder blocks of its own (``LayerParts.run_block``) besides the runtime's loop
+    runs_blocks: ClassVar[bool] = False
     #: what the strategy needs of the model beyond depth-peeling, for refusals that name it
     model_needs: ClassVar[str] = "needs only depth-peeling"
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class RecomputeStrategy(KvStrategy):
     name = "recompute"
+    runs_blocks = True
     model_needs = "resumes exited tokens through the model's own blocks"
     stores_exit_states = True
 

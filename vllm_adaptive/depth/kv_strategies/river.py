@@ -23,6 +23,7 @@ logger = logging.getLogger("vllm.adaptive.depth")
 
 class RiverStrategy(KvStrategy):
     name = "river"
+    runs_blocks = True
     supports_accelerated_stream = False
     fills_every_layer = True
     owns_layer_loop = True
