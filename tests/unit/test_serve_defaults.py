@@ -14,7 +14,12 @@ import pytest
 
 SERVE = Path(__file__).resolve().parents[2] / "scripts" / "serve.sh"
 FP16 = {"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}
+SUFFIX = {
+    "method": "suffix",
+    "num_speculative_tokens": 8,
+    "suffix_decoding_max_cached_requests": 0,
+    "num_speculative_tokens_per_batch_size": [[1, 1, 8], [2, 1024, 0]],
+}
 
 
 def _serve_dry(*args: str, **env: str) -> dict[str, str]:
@@ -78,6 +83,10 @@ def test_suffix_drafts_with_the_float32_default_only() -> None:
     mine = json.dumps({"adaptive": {"precision": {"policy": "gearbx"}}})
     assert _spec(ADAPTIVE_CONFIG=mine, **avx2) is None
     assert _spec(ADAPTIVE_CONFIG=mine, ADAPTIVE_DRAFTS="suffix", **avx2) == SUFFIX
+    # without an adaptive section vLLM's own suffix proposer runs, which asserts a fixed k:
+    # no per-batch-size schedule then
+    plain = {k: v for k, v in SUFFIX.items() if k != "num_speculative_tokens_per_batch_size"}
+    assert _spec(ADAPTIVE_CONFIG="{}", ADAPTIVE_DRAFTS="suffix", **avx2) == plain
     assert _spec(ADAPTIVE_DRAFTS="none", **avx2) is None
     assert _spec("--speculative-config", '{"method": "ngram"}', **avx2) is None
 
