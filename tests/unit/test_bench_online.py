@@ -147,6 +147,30 @@ def test_baseline_is_the_faster_stock_per_concurrency() -> None:
     assert summ["servers"]["p"]["8"]["x_ttft"] == pytest.approx(200 / 210)
 
 
+def test_a_level_whose_requests_failed_gets_no_ratio_and_says_so() -> None:
+    """A server whose engine died mid-run: its level keeps its figures (zeros), no ratio
+    against the baseline, and the table names the failures instead of dividing by zero."""
+    dead = {**_run(0.3, 0.0, 500), "failed": 15, "completed": 1}
+    servers = [
+        {"label": "stock f32", "stock": True, "runs": {"8": [_run(50, 90, 300)]}},
+        {"label": "p", "stock": False, "runs": {"8": [dead, dead]}},
+    ]
+    summ = online_report.summarize(servers, [8])
+    p8 = summ["servers"]["p"]["8"]
+    assert p8["failed_total"] == 30 and p8["x_tpot"] is None
+    assert p8["x_output_throughput"] == pytest.approx(0.3 / 50)
+    for s in servers:
+        s.update(dtype="float32", starts=[{"start_s": 100.0}])
+    report = {
+        "date": "d",
+        "env": {"cpu": {"model": "cpu", "key_flags": ["avx2"]}, "versions": {}},
+        "args": {"concurrency": [8], "rounds": 2, "prompt_tokens": 100, "output_len": 64},
+        "servers": servers,
+        "summary": summ,
+    }
+    assert "**30 failed**" in online_report.markdown(report)
+
+
 class _Tok:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(ch) for ch in text]
