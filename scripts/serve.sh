@@ -11,9 +11,9 @@
 #     reads as many weight bytes as bf16 and its float32 compute changes the text.
 #   - Other CPUs (AVX2): --dtype float32, the fastest stock setting there, with the fixed fp16
 #     gear ({"adaptive": {"precision": {"policy": "fixed", "gear": "fp16"}}}): half the weight
-#     bytes, text identical to stock float32's; and vLLM's suffix-decoding drafter
-#     (--speculative-config '{"method": "suffix", ...}', lossless: the target verifies every
-#     draft), which Arctic Inference provides: built into .venv on first use
+#     bytes, text identical to stock float32's; and vLLM's suffix-decoding drafter while one
+#     request runs (--speculative-config '{"method": "suffix", ...}', lossless: the target
+#     verifies every draft), which Arctic Inference provides: built into .venv on first use
 #     (scripts/install-suffix-decoding.sh, about a minute).
 # A --dtype of your own picks the config for that dtype; ADAPTIVE_CONFIG overrides the config
 # (and then no drafter is added unless ADAPTIVE_DRAFTS asks); a --speculative-config of your own
