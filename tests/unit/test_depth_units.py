@@ -145,3 +145,22 @@ def test_feature_proxy_matches_the_calibration_map() -> None:
     np.testing.assert_allclose(got, m(score), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="knots"):
         EmadExitSignal(u, v, 1.0, "feature", None)
+
+
+def test_min_entropy_screen_gives_the_full_entropy_verdicts() -> None:
+    """The low-rank signal's min-entropy screen decides exactly as the full entropy does, for
+    thresholds at, just above and just below each row's entropy, peaked rows included."""
+    from vllm_adaptive.depth.policies.emad import EmadExitSignal
+
+    g = torch.Generator().manual_seed(0)
+    u, v = torch.randn(4000, 8, generator=g), torch.randn(16, 8, generator=g)
+    scale = torch.logspace(-2, 1.5, 48).unsqueeze(1)  # flat to near one-hot proxy softmaxes
+    normed = torch.randn(48, 16, generator=g) * scale
+    sig = EmadExitSignal(u, v, 1.0)
+    entropy = sig.proxy_entropy(normed, 0)
+    assert float(entropy.min()) < 0.05 < 3.0 < float(entropy.max())  # the range is covered
+    for shift in (-1e-3, 0.0, 1e-3, 0.5, -0.5):
+        th = entropy + shift
+        want = entropy <= th
+        assert torch.equal(sig.exits(normed, th, 0), want), shift
+    assert not sig.exits(normed, torch.full((48,), -float("inf")), 0).any()  # budget 1.0

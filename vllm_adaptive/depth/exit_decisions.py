@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_adaptive.depth.counters import EngineCounters
@@ -28,7 +29,8 @@ class ExitDecisions:
         #: candidate (no signal work for it)
         self.emad_only = emad_only
         self.probe_index = {layer: p for p, layer in enumerate(profile.probe_layers)}
-        self.proxy_floor = torch.from_numpy(profile.proxy_floor).float()
+        self.probe_layers = np.asarray(profile.probe_layers, dtype=np.int64)
+        self.proxy_floor_np = np.asarray(profile.proxy_floor, dtype=np.float64)
         self.norm_a, self.norm_b = profile.norm_a, profile.norm_b
         self.eps = eps
         self.counters = counters
@@ -46,12 +48,32 @@ class ExitDecisions:
         """The signal reads the block's input stream at ``count`` (River-LLM's cosine)."""
         return self.signal.needs_prev_stream and (count in self.probe_index)
 
-    def candidates(self, plan: StepPlan, rows: torch.Tensor, count: int, p: int) -> torch.Tensor:
-        """Rows (of the active ``rows``) that may exit after ``count`` blocks."""
-        cand = plan.may_exit[rows] & (plan.floor[rows] <= count) & (plan.cap[rows] > count)
+    def candidate_matrix(
+        self, cap: np.ndarray, floor: np.ndarray, may_exit: np.ndarray, thresholds: np.ndarray
+    ) -> torch.Tensor | None:
+        """[R, P] bool, once per step: row r may exit at probe p (its signal on, the probe within
+        its floor and cap, and for EMAD alone a threshold the proxy can reach). None where no
+        row may exit anywhere, so that the layer loop skips every probe without a cap there."""
+        cand = (
+            may_exit[:, None]
+            & (floor[:, None] <= self.probe_layers[None, :])
+            & (cap[:, None] > self.probe_layers[None, :])
+        )
         if self.emad_only:
-            cand &= plan.thresholds[rows, p] >= self.proxy_floor[p]  # else it cannot pass
-        return cand
+            cand &= thresholds >= self.proxy_floor_np[None, :]  # else it cannot pass
+        return torch.from_numpy(cand) if cand.any() else None
+
+    def candidates(self, plan: StepPlan, rows: torch.Tensor, p: int) -> torch.Tensor:
+        """Rows (of the active ``rows``) that may exit at probe ``p``."""
+        if plan.candidates is None:
+            return torch.zeros(rows.shape[0], dtype=torch.bool)
+        return plan.candidates[rows, p]
+
+    def live_probes(self, plan: StepPlan) -> list[bool]:
+        """Per probe: whether any row of the step may exit there."""
+        if plan.candidates is None:
+            return [False] * len(self.probe_layers)
+        return plan.candidates.any(0).tolist()
 
     def readout(self, p: int, stream: torch.Tensor) -> torch.Tensor:
         """The calibrated readout at probe ``p`` of residual streams ``stream``."""

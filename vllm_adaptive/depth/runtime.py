@@ -251,6 +251,9 @@ class DepthRuntime:
             # a row whose thresholds all lie below the proxy's floor can pass no probe (a
             # budget of 1.0): no candidate work for it at any layer
             may_exit &= (thresholds >= self.profile.proxy_floor).any(axis=1)
+        candidates = None
+        if may_exit.any():
+            candidates = self.exits.candidate_matrix(cap, floor, may_exit, thresholds)
         return StepPlan(
             cap=torch.from_numpy(cap),
             floor=torch.from_numpy(floor),
@@ -261,6 +264,7 @@ class DepthRuntime:
             states=states,
             all_visible_below=draft.all_visible_below,
             resume=draft.resume,
+            candidates=candidates,
         )
 
     # -- 2. run the layers -----------------------------------------------------------------------
@@ -331,7 +335,7 @@ class DepthRuntime:
         if interval is None:
             return None
         j_gate, start, gate = interval
-        cand = self.exits.candidates(step.plan, act.rows, gate, self.exits.probe_index[gate])
+        cand = self.exits.candidates(step.plan, act.rows, self.exits.probe_index[gate])
         if not bool(cand.any()):
             return None
         j = torch.nonzero(cand).squeeze(1)
@@ -377,8 +381,11 @@ class DepthRuntime:
         tok = torch.arange(hidden.shape[0], device=hidden.device)  # active -> step token
         h, res, pos = hidden, None, positions
         any_exit = bool(plan.may_exit.any())
+        # decided once for the step: the probes where some row may exit, the caps where rows stop
+        live = exits.live_probes(plan)
+        cap_stops = set(plan.cap[plan.cap < L].tolist())
         # nothing to decide between layers: no row may exit and none stops at a cap
-        probing = any_exit or bool((plan.cap < L).any())
+        probing = any(live) or bool(cap_stops)
         step = Step(parts, md, plan, input_ids, swaps)
         active_md = md  # metadata of the active rows and tokens
         step_fusion = plan.fusion
@@ -434,12 +441,12 @@ class DepthRuntime:
                     self._publish_positions(pos)
                 counters.peel_seconds += time.perf_counter() - t1
             p = exits.probe(count)
-            if p is None or not probing:
+            if p is None or not probing or not (live[p] or count in cap_stops):
                 continue
             # which active rows stop here: at their cap, or by the exit signal
             t0 = time.perf_counter()
             stop = plan.cap[rows] == count
-            cand = exits.candidates(plan, rows, count, p)
+            cand = exits.candidates(plan, rows, p)
             arla_rows = arla_states = None
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)

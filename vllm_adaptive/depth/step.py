@@ -25,6 +25,8 @@ class StepPlan:
     all_visible_below: int  # mask strategy: layers below see every cached slot
     resume: list  # recompute strategy: (row, position, slot, depth) of tokens to resume
     fusion: Any = None  # token fusion: the step's `fusion_runtime.StepFusion`, None: no fusion
+    #: [R, P] bool: row r may exit at probe p (`ExitDecisions.candidate_matrix`); None: no row
+    candidates: torch.Tensor | None = None
 
 
 @dataclass

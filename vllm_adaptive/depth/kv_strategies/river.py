@@ -125,7 +125,7 @@ class RiverStrategy(KvStrategy):
             if p is None or count < river.entry_layer or count >= L:
                 continue
             t0 = time.perf_counter()
-            cand = exits.candidates(plan, all_rows, count, p) & ~in_river
+            cand = exits.candidates(plan, all_rows, p) & ~in_river
             if bool(cand.any()):
                 j = torch.nonzero(cand).squeeze(1)
                 act = ActiveRows(all_rows, qsl, tok, positions, h, res)
