@@ -21,6 +21,7 @@ from vllm_adaptive.artifacts import (
 )
 from vllm_adaptive.depth.calibration.budget import (
     SimData,
+    prune_unpaid_probes,
     search_q,
     search_q_for_agreement,
     simulate,
@@ -159,6 +160,31 @@ def test_agreement_search_takes_the_most_exits_that_keep_the_target() -> None:
         search_q_for_agreement(run, 1.5)
 
 
+def test_unpaid_probes_are_turned_off_and_paying_ones_kept() -> None:
+    """A probe few tokens pass at costs its proxy for every token reaching it: pruning turns it
+    off (FLOPs fall, agreement holds); a probe that most tokens pass at pays and stays."""
+    data = _sim_data()
+    data.agree[:] = True  # every exit agrees: only cost decides
+    shape = DenseShape(8, 64, 128, 4, 2, 16, 1000)
+    proxy_flops = 0.3 * shape.layer_linear_flops()
+
+    def run(th):
+        return simulate(data, th, shape, proxy_flops)
+
+    # probes 0 and 2 (after layers 2 and 6): a reachable threshold (the proxy's floor, 0) that
+    # no token passes, so their proxy is pure cost; probe 1: 80% of the tokens pass
+    th = np.array([0.0, np.quantile(data.proxy[1], 0.8), 0.0])
+    evaluated = np.array([True, True, True])
+    got, result, pruned = prune_unpaid_probes(run, th, evaluated, target=0.99)
+    assert sorted(pruned) == [0, 2]
+    assert np.isneginf(got[[0, 2]]).all() and got[1] == th[1]
+    assert result.flops_fraction < run(th).flops_fraction
+    assert result.depth_hist.get(4, 0.0) > 0.5  # the paying probe still exits most tokens
+    # probes that are not evaluated cost nothing: nothing to prune
+    none, same, nothing = prune_unpaid_probes(run, th, np.zeros(3, dtype=bool), target=0.99)
+    assert nothing == [] and np.array_equal(none, th) and same == run(th)
+
+
 def _fake_model(tmp: Path, vocab: int = 32) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps({"vocab_size": vocab, "hidden_size": 8}))
@@ -219,3 +245,24 @@ def test_profile_round_trip_and_refusals(tmp_path: Path) -> None:
     (p3 / JSON_NAME).unlink()
     with pytest.raises(ProfileError, match=f"missing {JSON_NAME}"):
         load_profile(p3, model)
+
+
+def test_proxy_vocabulary_puts_predicted_tokens_first_then_frequent_ones() -> None:
+    from vllm_adaptive.depth.calibration.emad import proxy_vocabulary
+
+    def tok(text, add_special_tokens=False):  # one id per character
+        return {"input_ids": [ord(c) - ord("a") for c in text]}
+
+    texts = ["aaaabbbcc", "aab"]  # a: 6, b: 4, c: 2
+    predicted = torch.tensor([7, 7, 5])
+    got = proxy_vocabulary(tok, texts, predicted, vocab_size=10, size=4)
+    assert got.tolist() == [0, 1, 5, 7]  # both predicted, then a and b; ascending
+    assert proxy_vocabulary(tok, texts, predicted, 10, 10).tolist() == list(range(10))
+    with pytest.raises(ValueError, match="proxy vocabulary"):
+        proxy_vocabulary(tok, texts, predicted, 10, 11)
+    # the restricted proxy is the full one's rows: its logits are the kept columns
+    w = torch.randn(10, 6, dtype=torch.float64)
+    full, part = LowRankReadout.fit(w, 3), LowRankReadout.fit(w, 3, got)
+    h = torch.randn(4, 6)
+    assert torch.allclose(part.logits(h), full.logits(h)[:, got], atol=1e-5)
+    assert part.flops() < full.flops()

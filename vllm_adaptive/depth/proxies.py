@@ -1,11 +1,13 @@
 """Cheap entropy proxies for exit decisions (EMAD sec. 2.4) and their measured error.
 
-* low-rank: W_unembed ~ U V^T (rank r, truncated SVD); H_hat = H(softmax(U V^T n / T)).
+* low-rank: W_unembed ~ U V^T (rank r, truncated SVD); H_hat = H(softmax(U V^T n / T)),
+  optionally over the rows of U for a truncated vocabulary (the tokens the model emits most).
 * feature: from the same proxy logits only logsumexp and the top-k probabilities; their
   "tail-uniform" entropy score is mapped to entropy by a per-layer isotonic regression fit
   against the exact entropy of the calibrated readout.
-Entropies are in nats. Proxy cost per probe: 2 * (d*r + r*V) FLOPs (same for both variants:
-the feature proxy still needs all V proxy logits for the logsumexp; it saves the softmax).
+Entropies are in nats. Proxy cost per probe: 2 * (d*r + r*V) FLOPs, V the proxy's vocabulary
+(same for both variants: the feature proxy still needs all V proxy logits for the logsumexp;
+it saves the softmax).
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ class LowRankReadout:
     v: torch.Tensor  # [d, r] top right singular vectors
 
     @classmethod
-    def fit(cls, unembed: torch.Tensor, rank: int) -> LowRankReadout:
-        """Truncated SVD of W via the d x d Gram matrix (cheap: d << V)."""
+    def fit(
+        cls, unembed: torch.Tensor, rank: int, vocab: torch.Tensor | None = None
+    ) -> LowRankReadout:
+        """Truncated SVD of W via the d x d Gram matrix (cheap: d << V). ``vocab``: token ids
+        the proxy's softmax runs over (None: all); the proxy's cost scales with their count,
+        and its entropy is that of the softmax restricted to them."""
         w = unembed.double()
         evals, evecs = torch.linalg.eigh(w.T @ w)
         v = evecs[:, torch.argsort(evals, descending=True)[:rank]]
-        return cls(u=(w @ v).float(), v=v.float())
+        u = w @ v if vocab is None else w[vocab] @ v
+        return cls(u=u.float(), v=v.float())
 
     @property
     def rank(self) -> int:

@@ -102,6 +102,12 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "model's greedy token (teacher-forced, held-out windows) stays >= this; the profile's "
         "budget is their cost",
     )
+    p.add_argument(
+        "--keep-unpaid-probes",
+        action="store_true",
+        help="with --target-agreement: keep probes whose exits save fewer FLOPs than the proxy "
+        "costs there (by default they are turned off, and the report names them)",
+    )
     p.add_argument("--budget-kind", choices=("layers", "flops"), default="layers")
     p.add_argument("--tokens", type=int, default=256 * 32, help="teacher-forced")
     p.add_argument("--window", type=int, default=256)
@@ -114,6 +120,14 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
         "check after every block)",
     )
     p.add_argument("--rank", type=int, default=32)
+    p.add_argument(
+        "--proxy-vocab",
+        type=int,
+        default=0,
+        help="the low-rank proxy's softmax over this many tokens (those the model predicts on "
+        "the corpora, then the most frequent), cutting its cost in proportion; 0: the whole "
+        "vocabulary",
+    )
     p.add_argument("--alpha", type=float, default=1.5)
     p.add_argument("--ridge", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=1.0)

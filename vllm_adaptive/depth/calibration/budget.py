@@ -255,3 +255,32 @@ def search_q_for_agreement(
         else:
             hi = mid
     return BudgetSearch(q=lo, met=True, result=lo_res)
+
+
+def prune_unpaid_probes(
+    cost_at: Callable[[np.ndarray], SimResult],
+    thresholds: np.ndarray,
+    evaluated: np.ndarray,
+    target: float,
+) -> tuple[np.ndarray, SimResult, list[int]]:
+    """Turn off (threshold -inf) the probes whose exits save fewer FLOPs than evaluating the
+    proxy there costs, one at a time while the simulated FLOPs fall and agreement stays at
+    ``target``: a probe a few tokens pass at costs every token that reaches it.
+
+    ``cost_at(thresholds)`` simulates; ``evaluated[p]``: probe p is evaluated at all (its
+    threshold reachable). Returns the thresholds, their simulation and the probes turned off."""
+    th = np.array(thresholds, dtype=np.float64)
+    best = cost_at(th)
+    pruned: list[int] = []
+    while True:
+        trials = []
+        for p in np.nonzero(evaluated & np.isfinite(th))[0]:
+            trial = th.copy()
+            trial[p] = -np.inf
+            r = cost_at(trial)
+            if r.flops_fraction < best.flops_fraction - 1e-9 and r.agreement >= target:
+                trials.append((r.flops_fraction, int(p), trial, r))
+        if not trials:
+            return th, best, pruned
+        _, p, th, best = min(trials, key=lambda t: t[:2])
+        pruned.append(p)

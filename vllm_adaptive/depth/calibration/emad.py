@@ -34,6 +34,7 @@ from vllm_adaptive.artifacts import Profile, save_profile
 from vllm_adaptive.depth.calibration.budget import (
     SimData,
     SimResult,
+    prune_unpaid_probes,
     search_q,
     search_q_for_agreement,
     simulate,
@@ -65,11 +66,16 @@ class CalibrationOptions:
     norm_bias: bool = True
     proxy: str = "lowrank"  # which proxy the exit rule uses: lowrank | feature
     topk: int = 32
+    #: the low-rank proxy's softmax over this many tokens, the model's most frequent (0: all)
+    proxy_vocab: int = 0
     population: str = "all"  # tokens the quantile runs over: all (paper) | agree
     min_agreement: float = 0.0  # disable probes agreeing less (0: the paper, every probe)
     #: the budget is the cost of the most exits whose simulated agreement with the full model's
     #: greedy token stays >= this (None: ``budget`` as given)
     target_agreement: float | None = None
+    #: with ``target_agreement``: turn off the probes whose exits save fewer FLOPs than their
+    #: proxy costs (`budget.prune_unpaid_probes`)
+    prune_unpaid: bool = True
     floor_tokens: int = 16  # the runtime's default floor (adaptive.depth.floor)
     floor_min: int | None = None
     collect: CollectConfig = field(default_factory=CollectConfig)
@@ -79,6 +85,22 @@ class CalibrationOptions:
 
 
 SIGNALS = ("emad", "quicksilver", "river")
+
+
+def proxy_vocabulary(
+    tok: Any, texts: list[str], final_argmax: torch.Tensor, vocab_size: int, size: int
+) -> torch.Tensor:
+    """The ``size`` token ids the proxy's softmax runs over, ascending: every token the final
+    layer predicted on the fit positions, then the corpora's most frequent tokens. A token
+    outside makes its row's proxy flatter, so the truncation errs towards no exit."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"proxy vocabulary must be in 1..{vocab_size}, not {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for text in texts:
+        ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        counts += torch.bincount(ids[ids < vocab_size], minlength=vocab_size).double()
+    counts[final_argmax] += counts.sum() + 1.0  # predicted tokens first
+    return torch.sort(torch.argsort(counts, descending=True, stable=True)[:size]).values
 
 
 def _layer_pass(hidden, readout, norm, lowrank, temperature, topk, final_argmax, targets):
@@ -159,7 +181,13 @@ def calibrate(
         opts.norm_metric, opts.norm_bias,
     )  # fmt: skip
     stage("low-rank readout, calibrated entropies and proxies per probe layer")
-    lowrank = LowRankReadout.fit(readout.unembed, opts.rank)
+    vocab = None
+    if opts.proxy_vocab:
+        vocab = proxy_vocabulary(
+            tok, [f.calibration_text for f in files], col.final_argmax[fit_idx],
+            int(readout.unembed.shape[0]), opts.proxy_vocab,
+        )  # fmt: skip
+    lowrank = LowRankReadout.fit(readout.unembed, opts.rank, vocab)
     lp, fallback = _calibrated_layers(
         col.hidden, readout, norms, lowrank, ccfg.temperature, opts.topk, col.final_argmax,
         fit_idx, col.targets,
@@ -226,19 +254,31 @@ def calibrate(
             sim, thresholds_at(q), shape, pflops, opts.floor_tokens, floor_min, proxy_floor
         )
 
+    unpaid: list[int] = []
     if opts.target_agreement is not None:
         # the target's own q: the simulated cost is not monotone in q, so a budget search for
         # the target's cost could land on a more aggressive q of lower cost and agreement
         stage(f"q search for agreement >= {opts.target_agreement} (exit simulation)")
         found = search_q_for_agreement(run, opts.target_agreement)
+        thresholds = thresholds_at(found.q)
+        if opts.prune_unpaid:
+            thresholds, pruned_result, unpaid = prune_unpaid_probes(
+                lambda th: simulate(
+                    sim, th, shape, pflops, opts.floor_tokens, floor_min, proxy_floor
+                ),
+                thresholds,
+                thresholds >= proxy_floor,
+                opts.target_agreement,
+            )
+            found = replace(found, result=pruned_result)
         r = found.result
         cost = r.layers_fraction if opts.budget_kind == "layers" else r.flops_fraction
         opts = replace(opts, budget=float(cost))
     else:
         stage("budget search over q (exit simulation)")
         found = search_q(run, opts.budget, opts.budget_kind)
+        thresholds = thresholds_at(found.q)
     tau = entropy_targets(pops, found.q)
-    thresholds = thresholds_at(found.q)
     stage("q sweep and other budgets")
     sweep = {f"{q:.2f}": asdict(run(q)) for q in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)}
     other_budgets = {
@@ -264,6 +304,7 @@ def calibrate(
         "kept_positions_per_window": K,
         "rank": opts.rank,
         "topk": opts.topk,
+        "proxy_vocab": int(lowrank.u.shape[0]),
         "proxy": opts.proxy,
         "norm": {
             "scalar": opts.scalar_norm,
@@ -275,6 +316,7 @@ def calibrate(
         "population": opts.population,
         "min_agreement": opts.min_agreement,
         "disabled_probe_layers": [col.probe_layers[p] for p in disabled],
+        "unpaid_probe_layers": [col.probe_layers[p] for p in unpaid],
         "alpha": opts.alpha,
         "budget": opts.budget,
         "budget_kind": opts.budget_kind,
@@ -382,6 +424,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         population=args.population,
         min_agreement=args.min_agreement,
         target_agreement=args.target_agreement,
+        proxy_vocab=args.proxy_vocab,
+        prune_unpaid=not args.keep_unpaid_probes,
         floor_tokens=args.floor_tokens,
         floor_min=args.floor_min,
         collect=CollectConfig(
@@ -466,6 +510,11 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("target_agreement") is not None:
         met = "met" if s["budget_met"] else "NOT met (even q=0)"
         lines.append(f"target agreement {s['target_agreement']} {met}: budget set to its cost")
+        if s.get("unpaid_probe_layers"):
+            lines.append(
+                f"probes turned off (their exits save fewer FLOPs than the proxy costs): "
+                f"after layers {s['unpaid_probe_layers']}"
+            )
     lines += [
         f"proxy={s['proxy']} rank={s['rank']} (probe cost {s['proxy_flops_over_block']:.2f} "
         f"of one block's linear FLOPs), alpha={s['alpha']}",
