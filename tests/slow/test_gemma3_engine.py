@@ -3,7 +3,8 @@
 With the plugin loaded and no adaptive section the engine is stock vLLM; with
 ``{"adaptive": {}}`` the adaptive class runs with every mechanism off and is token-identical to
 stock (greedy and seeded sampling, alone and in one mixed batch); precision gears run on it;
-every mechanism it cannot support stops the engine at start with a message naming the key.
+every mechanism it cannot support stops the engine at start with a message naming the key
+(adaptive depth: ``test_gemma3_depth.py``).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def test_gears_run_and_stay_close_to_full_precision(gemma_dir: Path) -> None:
 REFUSED = {
     "depth": (
         {"depth": {"profile": "/nonexistent", "kv_strategy": "monotone"}},
-        "adaptive.depth: the depth runtime supports Llama's layer layout only; Gemma 3 "
-        "interleaves sliding-window and global attention layers",
+        "adaptive.depth: the runtime peels rows on layer 0's attention metadata and records "
+        "one depth per KV slot, and vLLM's hybrid KV cache splits Gemma 3's layers",
     ),
 }
 _SPEC = {

@@ -266,3 +266,20 @@ def test_proxy_vocabulary_puts_predicted_tokens_first_then_frequent_ones() -> No
     h = torch.randn(4, 6)
     assert torch.allclose(part.logits(h), full.logits(h)[:, got], atol=1e-5)
     assert part.flops() < full.flops()
+
+
+def test_rmsnorm_scale_reads_llama_and_gemma_norms() -> None:
+    """The calibrated readout's plain lens needs the scale a final norm applies: ``weight``
+    for Llama's RMSNorm, ``1 + weight`` for Gemma's."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from vllm_adaptive.depth.calibration.collect import rmsnorm_scale
+
+    w = torch.linspace(-0.5, 2.0, 16)
+    llama, gemma = LlamaRMSNorm(16, eps=1e-6), Gemma3RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.copy_(w)
+        gemma.weight.copy_(w)
+    assert torch.allclose(rmsnorm_scale(llama, 16, 1e-6), w, atol=1e-6)
+    assert torch.allclose(rmsnorm_scale(gemma, 16, 1e-6), 1.0 + w, atol=1e-6)

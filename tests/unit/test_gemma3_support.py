@@ -44,13 +44,43 @@ def test_early_draft_needs_one_kv_cache_group() -> None:
     assert str(e.value).startswith("adaptive.speculative: the draft step gives every layer")
 
 
-@pytest.mark.parametrize("strategy", ["monotone", "mask", "propagate", "recompute", "river"])
-def test_depth_refused_with_every_kv_strategy(strategy: str) -> None:
+@pytest.mark.parametrize(
+    "depth",
+    [
+        {"profile": "/p"},  # monotone, EMAD
+        {"profile": "/p", "kv_strategy": "monotone", "budget": 0.8},
+        {"profile": "/p", "signal": {"policy": "quicksilver"}},
+    ],
+)
+def test_depth_with_depth_peeling_strategies_accepted(depth: dict) -> None:
+    _check({"depth": depth})
+
+
+def test_depth_needs_one_kv_cache_group() -> None:
+    with pytest.raises(AdaptiveConfigError, match="disable_hybrid_kv_cache_manager=True") as e:
+        _check({"depth": {"profile": "/p"}}, hybrid_kv_cache=True)
+    assert str(e.value).startswith("adaptive.depth: the runtime peels rows on layer 0's")
+
+
+@pytest.mark.parametrize("strategy", ["mask", "propagate", "recompute", "river"])
+def test_depth_refused_with_strategies_beyond_peeling(strategy: str) -> None:
     with pytest.raises(AdaptiveConfigError) as e:
         _check({"depth": {"profile": "/p", "kv_strategy": strategy}})
     msg = str(e.value)
-    assert msg.startswith("adaptive.depth: the depth runtime supports Llama's layer layout")
-    assert "sliding-window" in msg and repr(strategy) in msg
+    assert msg.startswith(f"adaptive.depth.kv_strategy: {strategy!r} ")
+    assert "use one of ['monotone']" in msg
+
+
+@pytest.mark.parametrize(
+    ("depth", "needle"),
+    [
+        ({"signal": {"policy": "arla", "arla": {"adapter": "/a"}}}, 'signal: policy "arla"'),
+        ({"refresh": {"every": 8, "raise_layers": 4}}, "adaptive.depth.refresh: refreshing"),
+    ],
+)
+def test_depth_mechanisms_needing_a_block_recipe_refused(depth: dict, needle: str) -> None:
+    with pytest.raises(AdaptiveConfigError, match=needle):
+        _check({"depth": {"profile": "/p", **depth}})
 
 
 @pytest.mark.parametrize(

@@ -48,16 +48,28 @@ class CpuSchedulerArgs:
     kv_cache_dtype: str
 
     @classmethod
-    def from_layer(cls, attn: Any, dtype: torch.dtype, kv_cache_dtype: str) -> CpuSchedulerArgs:
+    def from_layer(
+        cls, attn: Any, dtype: torch.dtype, kv_cache_dtype: str, sliding_window: int | None = None
+    ) -> CpuSchedulerArgs:
+        """``sliding_window``: the window the metadata is built for (default ``attn``'s own);
+        metadata shared by layers of several windows takes theirs (:func:`group_window`)."""
         return cls(
             num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_size,
             dtype=dtype,
-            sliding_window=attn.impl.sliding_window,
+            sliding_window=attn.impl.sliding_window if sliding_window is None else sliding_window,
             isa=attn.isa,
             kv_cache_dtype=kv_cache_dtype,
         )
+
+
+def group_window(attns: Any) -> int:
+    """The window vLLM's CPU metadata builder assumes for a KV cache group: the one every layer
+    of it shares, else -1 (none). Gemma 3 with the hybrid KV cache manager off holds windowed
+    and global layers in one group, whose shared metadata may assume no window."""
+    windows = {attn.impl.sliding_window for attn in attns}
+    return windows.pop() if len(windows) == 1 else -1
 
 
 def _scheduler_metadata(
@@ -298,17 +310,27 @@ class CpuStepAttention:
     """vLLM's CPU attention as the depth mechanisms use it (`depth.attention_port.StepAttention`):
     one per engine, bound to the KV cache once it exists."""
 
-    def __init__(self, layer_names: list[str], dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    def __init__(
+        self,
+        layer_names: list[str],
+        dtype: torch.dtype,
+        kv_cache_dtype: str,
+        sliding_window: int = -1,
+    ) -> None:
+        """``sliding_window``: the window the step's metadata assumes (:func:`group_window`)."""
         self.layer_names = layer_names
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
+        self.sliding_window = sliding_window
         self.args: CpuSchedulerArgs | None = None
 
     def bind(self, attn: Any) -> CacheGeometry | None:
         cache = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
         if cache is None or cache.dim() != 4 or not hasattr(attn, "isa"):
             return None  # profiling run (no cache yet), or not CPU_ATTN's layout
-        self.args = CpuSchedulerArgs.from_layer(attn, self.dtype, self.kv_cache_dtype)
+        self.args = CpuSchedulerArgs.from_layer(
+            attn, self.dtype, self.kv_cache_dtype, self.sliding_window
+        )
         num_blocks, _, block_size, _ = cache.shape
         return CacheGeometry(num_blocks, block_size, cache.device)
 

@@ -47,26 +47,41 @@ NAMES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
         "Gemma3ForCausalLM",
         ("models.dispatch", "models.gemma3"),
     ),
+    "Gemma3Model": ("vllm.model_executor.models.gemma3", "Gemma3Model", ("models.gemma3",)),
     "VllmConfig": (
         "vllm.config",
         "VllmConfig",
-        ("models.base", "models.gemma3", "models.llama", "models.moefied_llama"),
+        (
+            "models.base",
+            "models.depth_loop",
+            "models.gemma3",
+            "models.llama",
+            "models.moefied_llama",
+        ),
     ),
     "CUDAGraphMode": ("vllm.config", "CUDAGraphMode", ("models.llama",)),
-    "CompilationMode": ("vllm.config", "CompilationMode", ("models.llama",)),
+    "CompilationMode": (
+        "vllm.config",
+        "CompilationMode",
+        ("models.depth_loop", "models.gemma3", "models.llama"),
+    ),
     "IntermediateTensors": (
         "vllm.sequence",
         "IntermediateTensors",
-        ("models.base", "models.llama", "models.moefied_llama"),
+        ("models.base", "models.depth_loop", "models.llama", "models.moefied_llama"),
     ),
     "ignore_torch_compile": (
         "vllm.compilation.decorators",
         "ignore_torch_compile",
-        ("models.llama", "models.moefied_llama"),
+        ("models.gemma3", "models.llama", "models.moefied_llama"),
     ),
     "init_logger": ("vllm.logger", "init_logger", ("models.dispatch", "models.moefied_llama")),
     # -- distributed state --
-    "get_pp_group": ("vllm.distributed", "get_pp_group", ("models.llama", "models.precision")),
+    "get_pp_group": (
+        "vllm.distributed",
+        "get_pp_group",
+        ("models.depth_loop", "models.precision"),
+    ),
     "get_tensor_model_parallel_rank": (
         "vllm.distributed",
         "get_tensor_model_parallel_rank",

@@ -12,36 +12,50 @@ What runs here, through vLLM's own Gemma 3 modules (inherited, not copied):
 - precision gears: they swap the quant method of the four managed linears
   :func:`gemma3_layer_parts` names for the model interface (``models/interface.py``), which
   also hands out the extra norms, the query/key norms and each layer's sliding window;
-- the "early" self-draft, with vLLM's hybrid KV cache manager off (one KV cache group) and
-  only sliding-window layers in the draft: the draft step gives every layer the attention
-  metadata and settings of layer 0.
+- adaptive depth with the strategies that need only depth-peeling (``monotone``), vLLM's own
+  blocks run whole (``models/depth_loop.py``) and vLLM's hybrid KV cache manager off (one KV
+  cache group, so one block table and one slot per token for every layer; the sliding-window
+  layers keep their window in the attention op);
+- the "early" self-draft, with the hybrid KV cache manager off as well and only sliding-window
+  layers in the draft: the draft step gives every layer the attention metadata and settings of
+  layer 0.
 
 Everything else is refused when the engine starts (:func:`check_gemma3_supported`), with the
-key and the reason: the depth runtime and the low-bit and M2R2 drafts re-run Llama's block from
-its parts (Gemma's layers have no block recipe), assume its plain final RMSNorm and a single
-KV cache group.
+key and the reason: the KV strategies and signals that re-run Llama's block from its parts
+(Gemma's layers have no block recipe) or mask slots in the plugin's attention backend (which
+has no sliding window), and the low-bit and M2R2 drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 from torch import nn
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
 from vllm_adaptive.depth.kv_strategies import kv_strategy_class
-from vllm_adaptive.engine.vllm_api import Gemma3ForCausalLM, VllmConfig
+from vllm_adaptive.engine.vllm_api import (
+    CompilationMode,
+    Gemma3ForCausalLM,
+    Gemma3Model,
+    VllmConfig,
+    ignore_torch_compile,
+)
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
+from vllm_adaptive.models.depth_loop import DepthLayerLoop, attach_depth_runtime
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 from vllm_adaptive.models.llama import check_engine_compatible, llama_layer_parts
 
-_DEPTH_REASON = (
-    "adaptive.depth: the depth runtime supports Llama's layer layout only; Gemma 3 "
-    "interleaves sliding-window and global attention layers, which vLLM keeps in separate KV "
-    "cache groups with their own block tables (depth-peeling slices one), its final norm is "
-    "(1 + w) * RMSNorm (the calibrated readouts assume a plain RMSNorm weight), and the "
-    "{strategy!r} KV strategy {needs}"
+#: the KV strategies that need only depth-peeling over vLLM's own blocks
+GEMMA3_KV_STRATEGIES = ("monotone",)
+_HYBRID_KV = (
+    "vLLM's hybrid KV cache splits Gemma 3's layers into groups of one attention type, each "
+    "with its own block table (on Gemma 3 270M layer 0 shares its group only with layers 6 and "
+    "12), so {what}; start the engine with disable_hybrid_kv_cache_manager=True "
+    "(--disable-hybrid-kv-cache-manager): one group, one block table"
 )
 
 
@@ -63,8 +77,7 @@ def check_gemma3_supported(
     """
     depth = adaptive.active_depth
     if depth is not None:
-        needs = kv_strategy_class(depth.kv_strategy).model_needs
-        raise AdaptiveConfigError(_DEPTH_REASON.format(strategy=depth.kv_strategy, needs=needs))
+        _check_gemma3_depth(depth, hybrid_kv_cache)
     spec = adaptive.active_speculative
     if spec is None:
         return
@@ -82,11 +95,8 @@ def check_gemma3_supported(
     if hybrid_kv_cache:
         raise AdaptiveConfigError(
             "adaptive.speculative: the draft step gives every layer the attention metadata of "
-            "layer 0's KV cache group, and vLLM's hybrid KV cache splits Gemma 3's layers into "
-            "groups of one attention type (on Gemma 3 270M layer 0 shares its group only with "
-            "layers 6 and 12), so draft layers would read and write other layers' cache; start "
-            "the engine with disable_hybrid_kv_cache_manager=True "
-            "(--disable-hybrid-kv-cache-manager): one group, one block table"
+            "layer 0's KV cache group, and "
+            + _HYBRID_KV.format(what="draft layers would read and write other layers' cache")
         )
     limit = first_global_layer(layer_types)
     layers = spec.layers or 4
@@ -96,6 +106,34 @@ def check_gemma3_supported(
             f"first {layer_types[limit]} layer; the draft step gives every layer the attention "
             f"settings of layer 0 ({layer_types[0]}), so an early draft on Gemma 3 may use at "
             f"most {limit} layers"
+        )
+
+
+def _check_gemma3_depth(depth, hybrid_kv_cache: bool) -> None:
+    """Refuse the depth settings that need more of the model than depth-peeling over vLLM's
+    own blocks, naming the key."""
+    if depth.kv_strategy not in GEMMA3_KV_STRATEGIES:
+        needs = kv_strategy_class(depth.kv_strategy).model_needs
+        raise AdaptiveConfigError(
+            f"adaptive.depth.kv_strategy: {depth.kv_strategy!r} {needs}; on Gemma 3 (no block "
+            f"recipe for its four-norm block, sliding-window layers) use one of "
+            f"{list(GEMMA3_KV_STRATEGIES)}"
+        )
+    if "arla" in depth.signal.policy:
+        raise AdaptiveConfigError(
+            'adaptive.depth.signal: policy "arla" runs M2R2\'s accelerated stream through '
+            "Llama's block recipe, which Gemma 3's block is not (use emad or quicksilver)"
+        )
+    if depth.refresh is not None:
+        raise AdaptiveConfigError(
+            "adaptive.depth.refresh: refreshing recomputes K/V from exit states through the "
+            "block recipe, which Gemma 3's layers do not have"
+        )
+    if hybrid_kv_cache:
+        raise AdaptiveConfigError(
+            "adaptive.depth: the runtime peels rows on layer 0's attention metadata and records "
+            "one depth per KV slot, and "
+            + _HYBRID_KV.format(what="its slots would not be the other group's")
         )
 
 
@@ -114,6 +152,27 @@ def gemma3_layer_parts(index: int, layer: nn.Module) -> LayerParts:
     )
 
 
+@ignore_torch_compile
+class EagerAdaptiveGemma3Model(DepthLayerLoop, Gemma3Model):
+    """The decoder for adaptive depth on Gemma 3: the depth runtime owns the layer loop, so
+    vLLM does not compile the forward as one graph; the runtime compiles the blocks itself
+    (``models/compiled_blocks.py``) unless the engine runs eagerly."""
+
+
+@contextmanager
+def _builds_model_as(cls: type[nn.Module]) -> Iterator[None]:
+    """vLLM's ``Gemma3ForCausalLM`` builds its decoder by the module's global name
+    ``Gemma3Model`` (it has no ``_init_model`` hook as Llama has): that name is ``cls`` while
+    the stock constructor runs, and vLLM's own class again after it."""
+    module = sys.modules[Gemma3ForCausalLM.__module__]
+    stock = module.Gemma3Model
+    module.Gemma3Model = cls
+    try:
+        yield
+    finally:
+        module.Gemma3Model = stock
+
+
 class AdaptiveGemma3ForCausalLM(AdaptiveCausalLM, Gemma3ForCausalLM):
     """Registered as "AdaptiveGemma3ForCausalLM"; chosen by the dispatcher when
     `additional_config` has an "adaptive" section."""
@@ -126,10 +185,25 @@ class AdaptiveGemma3ForCausalLM(AdaptiveCausalLM, Gemma3ForCausalLM):
             vllm_config.model_config.hf_config.layer_types,
             hybrid_kv_cache=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         )
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._init_adaptive(vllm_config, adaptive)  # depth stays None: refused above
+        depth = adaptive.active_depth
+        self._compile_blocks = depth is not None and (
+            vllm_config.compilation_config.mode != CompilationMode.NONE
+        )
+        if depth is None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        else:
+            with _builds_model_as(EagerAdaptiveGemma3Model):
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._init_adaptive(vllm_config, adaptive)
+        if depth is not None:
+            self.depth = attach_depth_runtime(self, self.adaptive_parts(), vllm_config, depth)
 
     def _build_parts(self) -> ModelParts:
-        return stack_parts(
+        parts = stack_parts(
             self, gemma3_layer_parts, embedding_scale=float(self.config.hidden_size) ** 0.5
         )
+        if getattr(self, "_compile_blocks", False):
+            from vllm_adaptive.models.compiled_blocks import with_compiled_blocks
+
+            parts = with_compiled_blocks(parts)
+        return parts

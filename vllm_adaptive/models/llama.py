@@ -13,19 +13,11 @@ every mechanism off the output is token-for-token stock vLLM's (tests/engine/tes
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm_adaptive.config import AdaptiveConfig, AdaptiveConfigError, adaptive_config_from_vllm
-from vllm_adaptive.depth.kv_strategies import kv_strategy_class
-from vllm_adaptive.depth.runtime import DepthRuntime
-from vllm_adaptive.engine.attention_metadata import (
-    CpuStepAttention,
-    attention_skipped,
-    step_attention_metadata,
-)
 from vllm_adaptive.engine.vllm_api import (
     CompilationMode,
     CUDAGraphMode,
@@ -34,10 +26,14 @@ from vllm_adaptive.engine.vllm_api import (
     LlamaForCausalLM,
     LlamaModel,
     VllmConfig,
-    get_pp_group,
     ignore_torch_compile,
 )
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
+from vllm_adaptive.models.depth_loop import (
+    DepthLayerLoop,
+    attach_depth_runtime,
+    needs_masked_attention,
+)
 from vllm_adaptive.models.interface import BlockDeltas, LayerParts, ModelParts
 
 
@@ -120,7 +116,7 @@ def check_draft_head(spec, target: str) -> None:
             raise AdaptiveConfigError(f"speculative_config: {e}") from None
 
 
-class AdaptiveLlamaModel(LlamaModel):
+class AdaptiveLlamaModel(DepthLayerLoop, LlamaModel):
     """LlamaModel whose decoder stack runs through the depth runtime when one is attached."""
 
     def forward(
@@ -142,56 +138,9 @@ class AdaptiveLlamaModel(LlamaModel):
                 inputs_embeds,
                 **extra_layer_kwargs,
             )
-        if get_pp_group().is_first_rank:
-            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-        else:
-            assert intermediate_tensors is not None
-            hidden = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-
-        runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
-        if runtime is not None and residual is None and not extra_layer_kwargs:
-            md = step_attention_metadata(runtime.parts.layer_names[0])
-            out = runtime.forward(md, positions, hidden, input_ids)
-            if out is not None:
-                return out
-        hidden, residual = self.run_layers(positions, hidden, residual, **extra_layer_kwargs)
-
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def run_layers(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        **extra_layer_kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for every token: the path with depth off, and the fallback for steps the
-        depth runtime does not plan (dummy, profiling and padded steps, later pipeline stages).
-        With depth on it runs the runtime's blocks, so vLLM's warm-up compiles them."""
-        runtime: DepthRuntime | None = getattr(self, "depth_runtime", None)
-        if runtime is not None and not extra_layer_kwargs:
-            parts = runtime.parts
-            if runtime.block_compile_seconds() is None and attention_skipped():
-                if parts.compiled_stack is not None:
-                    parts.compiled_stack.warm_up(positions, hidden, residual)
-                h, r = hidden, residual
-                for _, _, span in parts.spans:
-                    h, r = span.warm_up(positions, h, r)
-                for layer in parts.layers:
-                    if layer.compiled is not None:
-                        hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
-                    else:
-                        hidden, residual = layer.run_block(positions, hidden, residual)
-                return hidden, residual
-            return parts.run_stack(positions, hidden, residual)
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
-        return hidden, residual
+        return DepthLayerLoop.forward(
+            self, input_ids, positions, intermediate_tensors, inputs_embeds, **extra_layer_kwargs
+        )
 
 
 @ignore_torch_compile
@@ -199,100 +148,6 @@ class EagerAdaptiveLlamaModel(AdaptiveLlamaModel):
     """The decoder for adaptive depth: which tokens run which layer depends on the data, so
     vLLM does not compile its forward as one graph; each block is compiled on its own
     instead (``models/compiled_blocks.py``) unless the engine runs eagerly."""
-
-
-def _needs_masked_attention(depth) -> bool:
-    return kv_strategy_class(depth.kv_strategy).needs_masked_attention
-
-
-def load_depth_runtime(
-    parts: ModelParts,
-    vllm_config: VllmConfig,
-    depth,
-    unembed: torch.Tensor | None = None,
-) -> DepthRuntime:
-    """Load and check the profile, then build the runtime; errors name the config key."""
-    from vllm_adaptive.artifacts import ProfileError
-    from vllm_adaptive.depth.exit_profile import ExitProfile
-    from vllm_adaptive.engine.attention_metadata import SUPPORTED_BACKENDS
-
-    try:
-        profile = ExitProfile.load(depth.profile, vllm_config.model_config.model)
-    except ProfileError as e:
-        raise AdaptiveConfigError(f"adaptive.depth.profile: {e}") from None
-    num_layers = vllm_config.model_config.hf_config.num_hidden_layers
-    if profile.num_layers != num_layers:
-        raise AdaptiveConfigError(
-            f"adaptive.depth.profile: made for {profile.num_layers} layers, model has {num_layers}"
-        )
-    if depth.floor is not None and (depth.floor.min_layers or 1) > num_layers:
-        raise AdaptiveConfigError(
-            f"adaptive.depth.floor.min_layers: {depth.floor.min_layers} > {num_layers} layers"
-        )
-    attn = parts.layers[0].attn
-    backend = attn.attn_backend.get_name()
-    if backend not in SUPPORTED_BACKENDS:
-        raise AdaptiveConfigError(
-            f"adaptive.depth: depth-peeling supports the attention backends {SUPPORTED_BACKENDS}, "
-            f"this engine uses {backend}"
-        )
-    kv = kv_strategy_class(depth.kv_strategy)
-    if kv.needs_masked_attention:
-        from vllm_adaptive.attention.masked_backend import masked_backend_active
-
-        if not masked_backend_active(attn):
-            raise AdaptiveConfigError(
-                f'adaptive.depth.kv_strategy: "{kv.name}" needs the plugin\'s masked attention '
-                f"backend, but the attention layers were built with {type(attn.impl).__name__}"
-            )
-    reason = kv.check_engine(depth, num_layers)
-    if reason is not None:
-        raise AdaptiveConfigError(reason)
-    fusion = None
-    if depth.fusion is not None:
-        fusion = load_engine_fusion(depth, vllm_config.model_config.model, num_layers)
-    try:
-        attention = CpuStepAttention(
-            parts.layer_names, vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype
-        )
-        return DepthRuntime(
-            parts,
-            depth,
-            profile,
-            attention,
-            model_dir=vllm_config.model_config.model,
-            dtype=vllm_config.model_config.dtype,
-            unembed=unembed,
-            fusion=fusion,
-        )
-    except (ProfileError, ValueError) as e:
-        raise AdaptiveConfigError(f"adaptive.depth.signal: {e}") from None
-
-
-def load_engine_fusion(depth, model_dir: str, num_layers: int):
-    """The token fusion mechanism for ``adaptive.depth.fusion``; errors name the config key."""
-    from vllm_adaptive.artifacts import ProfileError
-    from vllm_adaptive.depth.calibration.fusion import load_fusion_profile
-    from vllm_adaptive.depth.fusion_runtime import EngineFusion, check_fusion_profile
-
-    if "arla" in depth.signal.policy:
-        raise AdaptiveConfigError(
-            'adaptive.depth.fusion: policy "arla" runs its accelerated stream on the step\'s '
-            "unfused metadata; fusion with ARLA is not built (use another exit signal)"
-        )
-    try:
-        prof = load_fusion_profile(depth.fusion.profile, model_dir)
-    except (ProfileError, KeyError, ValueError) as e:
-        raise AdaptiveConfigError(f"adaptive.depth.fusion.profile: {e}") from None
-    bad = [layer for layer in prof.rules if not 1 <= layer < num_layers]
-    if bad:
-        raise AdaptiveConfigError(
-            f"adaptive.depth.fusion.profile: fusion layers must lie in 1..{num_layers - 1}: {bad}"
-        )
-    reason = check_fusion_profile(prof)
-    if reason is not None:
-        raise AdaptiveConfigError(reason)
-    return EngineFusion(prof, num_layers)
 
 
 class LlamaBlockRecipe:
@@ -391,7 +246,7 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
     ) -> None:
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
-        if adaptive.active_depth is not None and _needs_masked_attention(adaptive.active_depth):
+        if adaptive.active_depth is not None and needs_masked_attention(adaptive.active_depth):
             from vllm_adaptive.engine import intrusions
 
             intrusions.apply("masked-attention-backend")  # before the layers pick a backend
@@ -401,19 +256,9 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
             vllm_config.compilation_config.mode != CompilationMode.NONE
         )
         if adaptive.active_depth is not None:
-            from vllm_adaptive.batch_mirror import register_listener
-
-            parts = self.adaptive_parts()
-            self.depth = load_depth_runtime(
-                parts, vllm_config, adaptive.active_depth, parts.head.weight
+            self.depth = attach_depth_runtime(
+                self, self.adaptive_parts(), vllm_config, adaptive.active_depth
             )
-            cuts = self.depth.span_cuts() if self._compile_blocks else ()
-            if cuts:
-                from vllm_adaptive.models.compiled_blocks import with_compiled_spans
-
-                self.depth.attach_spans(with_compiled_spans(parts, cuts))
-            self.model.depth_runtime = self.depth
-            register_listener("depth", self.depth)
 
     def _build_parts(self) -> ModelParts:
         parts = stack_parts(self, llama_layer_parts)

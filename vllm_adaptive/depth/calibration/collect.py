@@ -71,12 +71,21 @@ def load_model(model_dir: str | Path):
     model.eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     inner = model.model
+    eps = float(getattr(inner.norm, "variance_epsilon", model.config.rms_norm_eps))
     readout = Readout(
-        norm_weight=inner.norm.weight.detach().float().clone(),
-        eps=float(getattr(inner.norm, "variance_epsilon", model.config.rms_norm_eps)),
+        norm_weight=rmsnorm_scale(inner.norm, int(model.config.hidden_size), eps),
+        eps=eps,
         unembed=model.lm_head.weight.detach().float(),
     )
     return model, tok, readout
+
+
+@torch.no_grad()
+def rmsnorm_scale(norm: torch.nn.Module, hidden: int, eps: float) -> torch.Tensor:
+    """The per-channel scale an RMSNorm applies after normalizing, read off the module itself:
+    its ``weight`` for Llama, ``1 + weight`` for Gemma (a row of ones has RMS 1)."""
+    ones = torch.ones(1, hidden, dtype=torch.float32)
+    return (norm(ones)[0].float() * (1.0 + eps) ** 0.5).clone()
 
 
 def layer_transitions(hidden_states, num_layers: int, keep: int) -> tuple[torch.Tensor, ...]:
