@@ -19,7 +19,7 @@ import pytest
 
 from tests.support import artifacts
 from tests.support.depth_probe import audit_report, install_kv_audit
-from tests.support.engines import GEMMA3_NUM_BLOCKS, make_llm, metric, shutdown
+from tests.support.engines import NUM_BLOCKS, make_llm, metric, shutdown
 from tests.support.workloads import PROMPTS, run_workloads
 from vllm_adaptive.introspection import depth_telemetry
 
@@ -59,10 +59,12 @@ def gemma_depth_profile(gemma_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def gemma_depth_llm(gemma_dir: Path, gemma_depth_profile: Path):
     depth = {"profile": str(gemma_depth_profile), "budget": 1.0, "floor": {"tokens": 4}}
+    # one KV cache group: the suite's 12 blocks of 128 slots hold 1536 tokens, so the long
+    # batch below preempts (with the hybrid manager's six groups Gemma needs 48)
     llm = make_llm(
         gemma_dir,
         {"adaptive": {"depth": depth}},
-        num_gpu_blocks_override=GEMMA3_NUM_BLOCKS,
+        num_gpu_blocks_override=NUM_BLOCKS,
         disable_hybrid_kv_cache_manager=True,
     )
     llm.apply_model(install_kv_audit)
@@ -133,7 +135,7 @@ def test_kv_audit_mixed_batches_prefix_hits_preemption(gemma_depth_llm) -> None:
     first = llm.generate(["Write a story about a lighthouse keeper."], _params(200, 0.4))[0]
     ids = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
     llm.generate([{"prompt_token_ids": ids}], _params(16, tag="g-resume"), use_tqdm=False)
-    # preemption: more concurrent KV than the 48 blocks hold
+    # preemption: more concurrent KV than the 12 blocks hold
     long = [f"Chapter {k}. " + " ".join(words) for k in range(8)]
     llm.generate(long, [_params(300, 0.5) for _ in long], use_tqdm=False)
 

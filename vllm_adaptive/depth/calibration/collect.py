@@ -43,7 +43,7 @@ class Collected:
 
     probe_layers: list[int]  # 1-based: output of block l (hidden_states[l] in HF)
     num_layers: int
-    hidden: torch.Tensor  # [P, N, d] float16, raw block outputs
+    hidden: torch.Tensor  # [P, N, d] raw block outputs: float16, float32 where it overflows
     final_normed: torch.Tensor  # [N, d] float32, input to lm_head at the last layer
     final_entropy: torch.Tensor  # [N] nats at `temperature`
     final_argmax: torch.Tensor  # [N] int64
@@ -101,6 +101,21 @@ def layer_transitions(hidden_states, num_layers: int, keep: int) -> tuple[torch.
     return torch.stack(drift), torch.stack(cos)
 
 
+_FP16_MAX = 65504.0
+
+
+def _compact(h: torch.Tensor) -> torch.Tensor:
+    """float16 where the states fit (half the memory), else float32: Gemma 3's residual stream
+    reaches beyond float16's range at middle layers, where it would turn to inf."""
+    return h.half() if float(h.abs().max()) < _FP16_MAX else h.float()
+
+
+def _cat_compact(parts: list[torch.Tensor]) -> torch.Tensor:
+    if all(p.dtype == torch.float16 for p in parts):
+        return torch.cat(parts, dim=1)
+    return torch.cat([p.float() for p in parts], dim=1)
+
+
 @torch.no_grad()
 def collect(model, tok, texts: list[str], cfg: CollectConfig, progress: bool = True) -> Collected:
     num_layers = int(model.config.num_hidden_layers)
@@ -118,7 +133,7 @@ def collect(model, tok, texts: list[str], cfg: CollectConfig, progress: bool = T
     ):
         out = model(torch.tensor([w]), output_hidden_states=True)
         hs = out.hidden_states  # [0]=embeddings, [l]=block l, [L]=after final norm
-        hid.append(torch.stack([hs[p][0, -keep:] for p in probes]).half())
+        hid.append(_compact(torch.stack([hs[p][0, -keep:] for p in probes])))
         fin.append(hs[num_layers][0, -keep:].float())
         logits = out.logits[0, -keep:].float()
         ent.append(entropy_nats(logits, cfg.temperature))
@@ -135,7 +150,7 @@ def collect(model, tok, texts: list[str], cfg: CollectConfig, progress: bool = T
     return Collected(
         probe_layers=list(probes),
         num_layers=num_layers,
-        hidden=torch.cat(hid, dim=1),
+        hidden=_cat_compact(hid),
         final_normed=torch.cat(fin),
         final_entropy=torch.cat(ent),
         final_argmax=torch.cat(arg),
