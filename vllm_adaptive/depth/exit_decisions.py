@@ -63,10 +63,6 @@ class ExitDecisions:
             cand &= thresholds >= self.proxy_floor_np[None, :]  # else it cannot pass
         return torch.from_numpy(cand) if cand.any() else None
 
-    def reachable(self, thresholds: np.ndarray, p: int) -> bool:
-        """Some row with these per-probe thresholds may exit at probe ``p``."""
-        return bool(thresholds[p] >= self.proxy_floor_np[p]) if self.emad_only else True
-
     def candidates(self, plan: StepPlan, rows: torch.Tensor, p: int) -> torch.Tensor:
         """Rows (of the active ``rows``) that may exit at probe ``p``."""
         if plan.candidates is None:

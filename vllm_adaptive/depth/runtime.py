@@ -140,23 +140,13 @@ class DepthRuntime:
 
     def span_cuts(self) -> tuple[int, ...]:
         """Where the stack may be cut into compiled spans for steps that probe: after each probe
-        layer where the engine's budget lets EMAD exit (every graph boundary costs a step
-        time; a profile at 0.97 has one or two such probes), or after every probe layer where
-        that set is empty (budget 1.0: the requests bring their own budgets) or the signal is
-        not EMAD alone. A step that needs a cut elsewhere runs its blocks one by one. Empty
-        where a step needs more between blocks than a probe layer's output (the block's input
-        stream, ARLA's accelerated stream, token fusion)."""
+        layer. Empty where a step needs more between blocks than a probe layer's output (the
+        block's input stream, ARLA's accelerated stream, token fusion)."""
         if self.fusion is not None or self.accelerated is not None:
             return ()
         if self.exits.signal.needs_prev_stream or self.kv.owns_layer_loop or self.kv.runs_blocks:
             return ()
-        probes = self.profile.probe_layers
-        if self.exits.emad_only:
-            thresholds = self.requests.thresholds(None)
-            live = [layer for p, layer in enumerate(probes) if self.exits.reachable(thresholds, p)]
-            if live:
-                return tuple(live)
-        return tuple(probes)
+        return tuple(self.profile.probe_layers)
 
     def attach_spans(self, parts: ModelParts) -> None:
         """Run with ``parts`` (the same model with :attr:`ModelParts.spans` compiled)."""
@@ -409,7 +399,7 @@ class DepthRuntime:
             final, _ = parts.final_norm(h, res)
             return final, depth
         # rows stop only after probe layers: the stretches between them as one graph each
-        spans = self._spans if self._spans_fit(cap_stops, live) else None
+        spans = self._spans if self._caps_at_span_ends(plan.cap) else None
         if spans is not None:
             counters.span_steps += 1
         for i, layer in enumerate(parts.layers):
@@ -510,14 +500,12 @@ class DepthRuntime:
             self.fusion.alias_outputs(step_fusion, out)
         return out, depth
 
-    def _spans_fit(self, cap_stops: set[int], live: list[bool]) -> bool:
-        """Spans compiled, and every layer where a row may stop this step (a cap below the
-        stack's end, a probe some row may exit at) is a span's end."""
+    def _caps_at_span_ends(self, cap: torch.Tensor) -> bool:
+        """Spans compiled, and every row's cap is the stack's end or a span's end."""
         if not self._spans:
             return False
         ends = self._span_ends
-        probes = self.profile.probe_layers
-        return cap_stops <= ends and all(probes[p] in ends for p, on in enumerate(live) if on)
+        return all(c in ends for c in cap.unique().tolist() if c < self.num_layers)
 
     @staticmethod
     def _publish_positions(pos: torch.Tensor) -> None:
