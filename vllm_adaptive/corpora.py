@@ -76,6 +76,20 @@ def spread_windows(token_ids: list[int], length: int, count: int) -> list[list[i
     return [token_ids[i * stride * length : i * stride * length + length] for i in range(count)]
 
 
+def prompt_windows(token_ids: list[int], length: int, count: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens for a generated source (the target writes the rest
+    of each window): :func:`spread_windows` while the text holds that many non-overlapping ones,
+    else starts spread evenly at a stride shorter than ``length``. Overlapping prompts still give
+    distinct windows, since each is continued its own way, so a short text can feed more data."""
+    if count <= len(token_ids) // length:
+        return spread_windows(token_ids, length, count)
+    last = len(token_ids) - length
+    if last < 0 or count < 1:
+        return []
+    starts = sorted({round(i * last / max(1, count - 1)) for i in range(count)})
+    return [token_ids[s : s + length] for s in starts]
+
+
 def token_windows_with_next(
     tok, texts: list[str], window: int, count: int
 ) -> tuple[list[list[int]], list[int]]:

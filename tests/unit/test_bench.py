@@ -10,7 +10,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from vllm_adaptive.bench.teacher_forcing import FORCE_KEY, TeacherForcingLogitsProcessor
-from vllm_adaptive.corpora import read_corpus, token_windows
+from vllm_adaptive.corpora import prompt_windows, read_corpus, spread_windows, token_windows
 from vllm_adaptive.flops import DenseShape
 
 
@@ -66,6 +66,14 @@ def test_corpus_split_is_disjoint_and_windows_spread(tmp_path: Path) -> None:
     assert [w[0] for w in wins] == [0, 30, 60] and all(len(w) == 10 for w in wins)
     with pytest.raises(ValueError, match="too short"):
         token_windows(list(range(20)), 10, 3)
+    # a generated source's prompts: the non-overlapping layout while the text holds it ...
+    ids = list(range(100))
+    assert prompt_windows(ids, 10, 5) == spread_windows(ids, 10, 5)
+    # ... then more, overlapping, distinct and spread over the whole text
+    more = prompt_windows(ids, 10, 19)
+    assert len(more) == 19 and len({w[0] for w in more}) == 19
+    assert more[0][0] == 0 and more[-1][-1] == 99 and all(len(w) == 10 for w in more)
+    assert prompt_windows(list(range(5)), 10, 3) == []
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(ValueError, match="not UTF-8"):

@@ -194,7 +194,7 @@ def build_data(
     run with the same spec cached (shards: an interrupted generation continues)."""
     from tqdm import tqdm
 
-    from vllm_adaptive.corpora import prompt_bos, spread_windows
+    from vllm_adaptive.corpora import prompt_bos, prompt_windows, spread_windows
 
     spec_path = data_dir / "spec.json"
     if spec_path.is_file() and json.loads(spec_path.read_text()) != spec:
@@ -229,7 +229,8 @@ def build_data(
                     got = _chat_ids(tok, cf.calibration_text, cf.path, want, body)
                 else:
                     ids = tok(cf.calibration_text, add_special_tokens=False)["input_ids"]
-                    got = spread_windows(ids, body, want)
+                    windows_of = spread_windows if opts.data_source == "text" else prompt_windows
+                    got = windows_of(ids, body, want)
                 if len(got) < want:
                     print(
                         f"corpus {cf.path}: {len(ids)} calibration tokens give {len(got)} "
