@@ -171,8 +171,9 @@ def make_case(
     )
 
 
-def dense_reference(case: Case) -> torch.Tensor:
-    """float64 attention over the drawn K/V with the mask rule; fully masked rows are zeros."""
+def dense_reference(case: Case, sliding_window: int = -1) -> torch.Tensor:
+    """float64 attention over the drawn K/V with the mask rule (and, for ``sliding_window`` W > 0,
+    only the keys at ``q - W + 1 .. q``); fully masked rows are zeros."""
     q_all = case.query.double()
     out = torch.zeros(q_all.shape, dtype=torch.float64)
     nh = q_all.shape[1]
@@ -181,8 +182,13 @@ def dense_reference(case: Case) -> torch.Tensor:
         g = nh // kr.shape[1]
         kk = kr.double().repeat_interleave(g, dim=1)  # [L, H, D]
         vv = vr.double().repeat_interleave(g, dim=1)
-        for t in range(qsl[r + 1] - qsl[r]):
-            cols = vis[t].nonzero().flatten()
+        n = qsl[r + 1] - qsl[r]
+        for t in range(n):
+            seen = vis[t]
+            if sliding_window > 0:  # the query sits at len - n + t (its request's last n)
+                keys = torch.arange(seen.shape[0])
+                seen = seen & (keys > seen.shape[0] - n + t - sliding_window)
+            cols = seen.nonzero().flatten()
             if len(cols) == 0:
                 continue
             s = torch.einsum("hd,lhd->hl", q_all[qsl[r] + t], kk[cols]) * case.scale

@@ -96,6 +96,34 @@ def test_small_chunks_match(layout):
     assert rel_err(y, dense_reference(case)) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["cpu", "nhd"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window_matches_dense_reference(layout, batch, window):
+    """A window (Gemma 3's local layers) on top of the depth mask: each query sees only its last
+    ``window`` positions; small chunks give the same; a window wider than any context is no
+    window; and the window changes the output where a context is longer than it."""
+    q_lens, ctx = BATCHES[batch]
+    case = make_case(window, layout=layout, query_lens=q_lens, ctx_lens=ctx, block_size=16)
+    y = _run(case, sliding_window=window)
+    assert torch.isfinite(y).all()
+    ref = dense_reference(case, sliding_window=window)
+    assert rel_err(y, ref) < TOL[torch.float32]
+    small = _run(case, sliding_window=window, chunk_elems=1, max_elems=1)
+    assert rel_err(small, ref) < TOL[torch.float32]
+    wide = max(c + q for c, q in zip(ctx, q_lens, strict=True))
+    assert torch.equal(_run(case, sliding_window=wide), _run(case))
+    if wide > window:
+        assert rel_err(y, dense_reference(case)) > 1e-3
+
+
+def test_bad_sliding_window_is_refused():
+    case = make_case(3)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="sliding_window"):
+            _run(case, sliding_window=bad)
+
+
 def test_masked_and_unused_slots_do_not_matter():
     """Poison (NaN / inf), finite garbage, or other finite garbage in every slot the request
     may not read: the output is bit-identical."""
@@ -249,6 +277,25 @@ def test_all_visible_matches_vllm_cpu_attention(dtype, shape, batch):
     ref = dense_reference(case)
     assert rel_err(theirs, ref) < 2 * TOL[dtype]  # the comparison itself is meaningful
     assert rel_err(ours, theirs.double()) < 2 * TOL[dtype]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="compares against vLLM's CPU attention op")
+@pytest.mark.parametrize("window", [1, 16, 45])
+def test_sliding_window_matches_vllm_cpu_attention(window):
+    """The window's edge as vLLM's op draws it (a query at q sees q - W + 1 .. q), all-visible
+    record, a mixed batch of decodes and a chunked prefill."""
+    from vllm_adaptive.attention.stock_cpu import stock_cpu_attention
+
+    q_lens, ctx = BATCHES["mixed"]
+    case = make_case(5, heads=9, kv_heads=3, head_size=64, block_size=16, query_lens=q_lens,
+                     ctx_lens=ctx, record_mode="full", poison=False)  # fmt: skip
+    theirs = stock_cpu_attention(
+        case.query, case.key_cache, case.value_cache, case.query_start_loc, case.seq_lens,
+        case.block_table, case.scale, sliding_window=window,
+    )  # fmt: skip
+    assert rel_err(theirs, dense_reference(case, sliding_window=window)) < 2 * TOL[torch.float32]
+    ours = _run(case, sliding_window=window)
+    assert rel_err(ours, theirs.double()) < 2 * TOL[torch.float32]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ def stock_cpu_scheduler_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     isa: str | None = None,
+    sliding_window: int = -1,
 ) -> torch.Tensor:
-    """What vLLM's CPU metadata builder computes once per step (causal, no window)."""
+    """What vLLM's CPU metadata builder computes once per step (causal; ``sliding_window`` -1:
+    none)."""
     nb, nkv, bs, hs = key_cache.shape
     return ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.shape[0],
@@ -28,7 +30,7 @@ def stock_cpu_scheduler_metadata(
         dtype=query.dtype,
         query_start_loc=query_start_loc,
         causal=True,
-        sliding_window_size=-1,
+        sliding_window_size=sliding_window,
         isa=isa or cpu_attn_isa(query.dtype, bs, hs),
         enable_kv_split=False,
     )
@@ -45,14 +47,16 @@ def stock_cpu_attention(
     *,
     out: torch.Tensor | None = None,
     scheduler_metadata: torch.Tensor | None = None,
+    sliding_window: int = -1,
 ) -> torch.Tensor:
     """vLLM's own CPU attention op (no mask), called the way ``cpu_attn.py`` calls it: causal, no
-    window, ALiBi, soft-cap or sinks, "auto" cache dtype. ``key_cache`` / ``value_cache`` are the
-    chunks of a CPU_ATTN cache (:func:`split_cpu_kv_cache`); index tensors int32. For tests and
-    benchmarks (the all-visible mask must agree with it)."""
+    ALiBi, soft-cap or sinks, "auto" cache dtype, ``sliding_window`` -1 (none) or W.
+    ``key_cache`` / ``value_cache`` are the chunks of a CPU_ATTN cache
+    (:func:`split_cpu_kv_cache`); index tensors int32. For tests and benchmarks (the all-visible
+    mask must agree with it)."""
     if scheduler_metadata is None:
         scheduler_metadata = stock_cpu_scheduler_metadata(
-            query, key_cache, query_start_loc, seq_lens
+            query, key_cache, query_start_loc, seq_lens, sliding_window=sliding_window
         )
     if out is None:
         out = torch.empty_like(query)
@@ -66,7 +70,7 @@ def stock_cpu_attention(
         scale=scale,
         causal=True,
         alibi_slopes=None,
-        sliding_window=-1,
+        sliding_window=sliding_window,
         block_table=block_table,
         softcap=0.0,
         scheduler_metadata=scheduler_metadata,

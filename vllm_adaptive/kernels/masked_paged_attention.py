@@ -252,7 +252,7 @@ def _decode_core(q, gather, nblk, key_ok, scale, chunk_blocks):
     return acc.div_(denom).view(b, nh, d)
 
 
-def _prefill_core(query, kb, vb, key_ok, ctx, scale, chunk, out, qpos=None):
+def _prefill_core(query, kb, vb, key_ok, ctx, scale, chunk, out, qpos=None, window=-1):
     """One request's ``query`` float32 ``[Q, H, D]`` at positions ``ctx ..`` (or at ``qpos``
     ``[Q]``, ascending, when given: token fusion keeps queries that are not contiguous); keys
     as full matrices (one copy of K^T and V per request), queries in chunks of ``chunk``."""
@@ -275,6 +275,8 @@ def _prefill_core(query, kb, vb, key_ok, ctx, scale, chunk, out, qpos=None):
         q = query[c0:c1].view(c1 - c0, nkv, g, d).transpose(0, 1).reshape(nkv, -1, d)
         s = torch.matmul(q, kf[:, :, :kv_len]).mul_(scale).view(nkv, c1 - c0, g, kv_len)
         vis = ok[None, :kv_len] & (j[None, :kv_len] <= pos[:, None])  # [Qc, kv_len]
+        if window > 0:
+            vis &= j[None, :kv_len] > (pos - window)[:, None]
         denom = _masked_softmax_(s, vis[None, :, None, :], (3,))
         o = torch.matmul(s.view(nkv, -1, kv_len), vf[:, :kv_len]).view(nkv, c1 - c0, g, d)
         o.div_(denom)
@@ -315,6 +317,7 @@ def masked_paged_attention(
     rows: list[int] | None = None,
     mask_step_tokens: bool = False,
     query_positions: torch.Tensor | None = None,
+    sliding_window: int = -1,
     max_elems: int = DEFAULT_MAX_ELEMS,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
 ) -> torch.Tensor:
@@ -332,7 +335,12 @@ def masked_paged_attention(
     rows, ascending per request; a request's last query must still be at ``seq_len - 1``). This
     step's keys cannot be told from cached ones then, so it needs ``mask_step_tokens=True`` and a
     record that already holds this step's slots (the runtime's provisional record).
+
+    ``sliding_window`` ``W > 0``: a query at position ``q`` sees keys at ``q - W + 1 .. q`` only,
+    as vLLM's CPU attention op does with the same window (Gemma 3's local layers); -1: no window.
     """
+    if sliding_window == 0 or sliding_window < -1:
+        raise ValueError(f"sliding_window must be -1 (none) or positive, got {sliding_window}")
     if query_positions is not None:
         if not mask_step_tokens or depth_record is None:
             raise ValueError(
@@ -403,6 +411,9 @@ def masked_paged_attention(
 
         chunk = max(1, chunk_elems // (len(grp) * per_block))
         ok = key_mask(ids, seq, seq - 1)
+        if sliding_window > 0:  # the query sits at seq - 1
+            j = torch.arange(ids.shape[1] * bs, device=dev).view(1, -1, bs)
+            ok &= j >= (seq - sliding_window)[:, None, None]
         o = _decode_core(query[tok].float(), gather, ids.shape[1], ok, scale, chunk)
         out[tok] = o.to(out.dtype)
 
@@ -416,7 +427,9 @@ def masked_paged_attention(
         chunk = max(1, max_elems // max(1, nh * seq_len))
         q = query[qsl[r] : qsl[r + 1]].float()
         qpos = None if query_positions is None else query_positions[qsl[r] : qsl[r + 1]].to(dev)
-        _prefill_core(q, kb, vb, ok, seq_len - n, scale, chunk, out[qsl[r] : qsl[r + 1]], qpos)
+        _prefill_core(
+            q, kb, vb, ok, seq_len - n, scale, chunk, out[qsl[r] : qsl[r + 1]], qpos, sliding_window
+        )
     return out
 
 
