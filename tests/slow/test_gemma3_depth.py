@@ -11,49 +11,17 @@ see no read of a slot at a layer whose K/V were never written.
 
 from __future__ import annotations
 
-import platform
 import random
 from pathlib import Path
 
 import pytest
 
-from tests.support import artifacts
 from tests.support.depth_probe import audit_report, install_kv_audit
 from tests.support.engines import NUM_BLOCKS, make_llm, metric, shutdown
 from tests.support.workloads import PROMPTS, run_workloads
 from vllm_adaptive.introspection import depth_telemetry
 
 NUM_LAYERS = 18
-
-
-@pytest.fixture(scope="module")
-def gemma_depth_profile(gemma_dir: Path) -> Path:
-    """A small real EMAD calibration of Gemma 3 270M: probes every 2 layers, rank 16, the
-    proxy over 8192 tokens (Gemma's vocabulary is 262,144). Cached like the Llama profile."""
-    from vllm_adaptive.artifacts import model_fingerprint
-    from vllm_adaptive.corpora import default_code_corpus
-    from vllm_adaptive.depth.calibration.collect import CollectConfig
-    from vllm_adaptive.depth.calibration.emad import CalibrationOptions, calibrate
-
-    opts = CalibrationOptions(
-        budget=0.6,
-        rank=16,
-        proxy_vocab=8192,
-        collect=CollectConfig(window=128, tokens=1024, keep=64, probe_every=2),
-    )
-    key = {
-        "model": model_fingerprint(gemma_dir),
-        "python": platform.python_version(),
-        "options": repr(opts),
-        "code": artifacts.code_hash("vllm_adaptive/depth", "vllm_adaptive/corpora.py"),
-        **artifacts.machine_key(),
-    }
-
-    def build(d: Path) -> None:
-        corpus = default_code_corpus(d / "code.txt", max_chars=300_000)
-        calibrate(gemma_dir, [corpus], d / "profile", opts, progress=False)
-
-    return artifacts.cached("gemma-depth-profile", key, build) / "profile"
 
 
 @pytest.fixture(scope="module")

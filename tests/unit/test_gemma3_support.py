@@ -50,6 +50,7 @@ def test_early_draft_needs_one_kv_cache_group() -> None:
         {"profile": "/p"},  # monotone, EMAD
         {"profile": "/p", "kv_strategy": "monotone", "budget": 0.8},
         {"profile": "/p", "signal": {"policy": "quicksilver"}},
+        {"profile": "/p", "kv_strategy": "mask"},  # the masked backend applies local windows
     ],
 )
 def test_depth_with_depth_peeling_strategies_accepted(depth: dict) -> None:
@@ -62,13 +63,13 @@ def test_depth_needs_one_kv_cache_group() -> None:
     assert str(e.value).startswith("adaptive.depth: the runtime peels rows on layer 0's")
 
 
-@pytest.mark.parametrize("strategy", ["mask", "propagate", "recompute", "river"])
+@pytest.mark.parametrize("strategy", ["propagate", "recompute", "river"])
 def test_depth_refused_with_strategies_beyond_peeling(strategy: str) -> None:
     with pytest.raises(AdaptiveConfigError) as e:
         _check({"depth": {"profile": "/p", "kv_strategy": strategy}})
     msg = str(e.value)
     assert msg.startswith(f"adaptive.depth.kv_strategy: {strategy!r} ")
-    assert "use one of ['monotone']" in msg
+    assert "use one of ['monotone', 'mask']" in msg
 
 
 @pytest.mark.parametrize(

@@ -385,7 +385,6 @@ def test_layer_index_is_parsed_from_the_name_once(env):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"sliding_window": 128}, "sliding window"),
         ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
         ({"logits_soft_cap": 30.0}, "soft-capping"),
         ({"sinks": torch.zeros(H)}, "sinks"),
@@ -401,6 +400,14 @@ def test_unsupported_layers_are_refused_at_construction(kwargs, words):
         with pytest.raises(MaskedAttentionUnsupported, match=words):
             MaskedCPUAttentionImpl(H, D, SCALE, KVH, **args)
         CPUAttentionBackendImpl(H, D, SCALE, KVH, **args)  # stock vLLM takes them
+
+
+def test_sliding_window_layers_are_built_with_their_window():
+    """Gemma 3's local layers: the masked impl keeps the window, which its masked call applies
+    (the kernel's window is pinned against vLLM's op in test_masked_attention.py)."""
+    args = {"alibi_slopes": None, "sliding_window": 128, "kv_cache_dtype": "auto"}
+    with set_current_vllm_config(_vllm_config()):
+        assert MaskedCPUAttentionImpl(H, D, SCALE, KVH, **args).sliding_window == 128
 
 
 def test_amx_and_neon_isas_are_refused(env, monkeypatch):

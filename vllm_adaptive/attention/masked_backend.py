@@ -21,8 +21,9 @@ mapping for the layer, then ``unified_attention_with_output`` -> ``impl.forward`
 runtime peeled off is not in the sliced slot mapping, so it writes nothing at the layers it skips:
 that is the KV skipping; this step's keys are written before the layer attends to them.
 
-Only the plain causal decoder is supported on the masked path (no sliding window, ALiBi,
-soft-capping, sinks, fp8 KV cache, KV sharing, encoder or cross attention), and only the ``vec`` /
+Only the causal decoder is supported on the masked path, with or without a sliding window
+(Gemma 3's local layers: the kernel applies the layer's window as vLLM's op does), but no ALiBi,
+soft-capping, sinks, fp8 KV cache, KV sharing, encoder or cross attention, and only the ``vec`` /
 ``vec16`` CPU ISAs whose K layout the torch kernel reads; anything else is refused when the impl
 is built (or, for the ISA, which the metadata builder assigns later, at the first masked call).
 
@@ -138,8 +139,6 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
         refused = []
         if attn_type != AttentionType.DECODER:
             refused.append(f"attention type {attn_type!r} (only decoder self-attention)")
-        if self.sliding_window != -1:
-            refused.append(f"sliding window {self.sliding_window}")
         if self.alibi_slopes is not None:
             refused.append("ALiBi")
         if self.logits_soft_cap:
@@ -152,7 +151,7 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
             refused.append(f"KV sharing with {kv_sharing_target_layer_name!r}")
         if refused:
             raise MaskedAttentionUnsupported(
-                "the KV mask (kv_strategy 'mask') supports plain causal decoder attention only; "
+                "the KV mask (kv_strategy 'mask') supports causal decoder attention only; "
                 "this layer has " + ", ".join(refused)
             )
         isa = _predicted_isa(head_size, kv_cache_dtype)
@@ -234,6 +233,7 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
             out=output[:n],
             mask_step_tokens=mask.query_positions is not None,
             query_positions=mask.query_positions,
+            sliding_window=self.sliding_window,
         )
         STATS.masked += 1
         return output

@@ -102,10 +102,13 @@ class DepthLayerLoop:
         return hidden, residual
 
 
-def needs_masked_attention(depth: Any) -> bool:
-    """The depth config's KV strategy masks slots in the plugin's attention backend (which must
-    be installed before the layers pick a backend)."""
-    return kv_strategy_class(depth.kv_strategy).needs_masked_attention
+def install_depth_attention(depth: Any | None) -> None:
+    """Before a model builds its layers: install the plugin's masked attention backend where the
+    depth config's KV strategy masks slots (the layers pick their backend when built)."""
+    if depth is not None and kv_strategy_class(depth.kv_strategy).needs_masked_attention:
+        from vllm_adaptive.engine import intrusions
+
+        intrusions.apply("masked-attention-backend")
 
 
 def attach_depth_runtime(

@@ -45,12 +45,17 @@ from vllm_adaptive.engine.vllm_api import (
     ignore_torch_compile,
 )
 from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
-from vllm_adaptive.models.depth_loop import DepthLayerLoop, attach_depth_runtime
+from vllm_adaptive.models.depth_loop import (
+    DepthLayerLoop,
+    attach_depth_runtime,
+    install_depth_attention,
+)
 from vllm_adaptive.models.interface import LayerParts, ModelParts
 from vllm_adaptive.models.llama import check_engine_compatible, llama_layer_parts
 
-#: the KV strategies that need only depth-peeling over vLLM's own blocks
-GEMMA3_KV_STRATEGIES = ("monotone",)
+#: the KV strategies that need only depth-peeling over vLLM's own blocks (and, for mask, the
+#: masked backend, which applies each layer's window)
+GEMMA3_KV_STRATEGIES = ("monotone", "mask")
 _HYBRID_KV = (
     "vLLM's hybrid KV cache splits Gemma 3's layers into groups of one attention type, each "
     "with its own block table (on Gemma 3 270M layer 0 shares its group only with layers 6 and "
@@ -192,6 +197,7 @@ class AdaptiveGemma3ForCausalLM(AdaptiveCausalLM, Gemma3ForCausalLM):
         if depth is None:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         else:
+            install_depth_attention(depth)
             with _builds_model_as(EagerAdaptiveGemma3Model):
                 super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._init_adaptive(vllm_config, adaptive)

@@ -32,7 +32,7 @@ from vllm_adaptive.models.base import AdaptiveCausalLM, stack_parts
 from vllm_adaptive.models.depth_loop import (
     DepthLayerLoop,
     attach_depth_runtime,
-    needs_masked_attention,
+    install_depth_attention,
 )
 from vllm_adaptive.models.interface import BlockDeltas, LayerParts, ModelParts
 
@@ -246,10 +246,7 @@ class AdaptiveLlamaForCausalLM(AdaptiveCausalLM, LlamaForCausalLM):
     ) -> None:
         adaptive = adaptive_config_from_vllm(vllm_config) or AdaptiveConfig()
         check_engine_compatible(vllm_config, adaptive)
-        if adaptive.active_depth is not None and needs_masked_attention(adaptive.active_depth):
-            from vllm_adaptive.engine import intrusions
-
-            intrusions.apply("masked-attention-backend")  # before the layers pick a backend
+        install_depth_attention(adaptive.active_depth)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self._init_adaptive(vllm_config, adaptive)
         self._compile_blocks = adaptive.active_depth is not None and (

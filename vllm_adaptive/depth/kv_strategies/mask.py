@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class MaskStrategy(KvStrategy):
     name = "mask"
     needs_masked_attention = True
-    model_needs = "masks slots in the plugin's attention backend, which has no sliding window"
+    model_needs = "masks slots in the plugin's attention backend"
 
     def plan_decode(
         self,
