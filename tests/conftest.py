@@ -152,44 +152,10 @@ def stock_gemma_bf16(gemma_dir: Path) -> dict:
     return _stock(gemma_dir, "bfloat16", ["identity"], num_gpu_blocks_override=GEMMA3_NUM_BLOCKS)
 
 
-@pytest.fixture(scope="session")
-def gemma_depth_profile(gemma_dir: Path) -> Path:
-    """A small real EMAD calibration of Gemma 3 270M: probes every 2 layers, rank 16, the
-    proxy over 8192 tokens (Gemma's vocabulary is 262,144). Cached like the Llama profile; the
-    Gemma depth and mask engines share it."""
-    import platform
-
-    from vllm_adaptive.artifacts import model_fingerprint
-    from vllm_adaptive.corpora import default_code_corpus
-    from vllm_adaptive.depth.calibration.collect import CollectConfig
-    from vllm_adaptive.depth.calibration.emad import CalibrationOptions, calibrate
-
-    opts = CalibrationOptions(
-        budget=0.6,
-        rank=16,
-        proxy_vocab=8192,
-        collect=CollectConfig(window=128, tokens=1024, keep=64, probe_every=2),
-    )
-    key = {
-        "model": model_fingerprint(gemma_dir),
-        "python": platform.python_version(),
-        "options": repr(opts),
-        "code": artifacts.code_hash("vllm_adaptive/depth", "vllm_adaptive/corpora.py"),
-        **artifacts.machine_key(),
-    }
-
-    def build(d: Path) -> None:
-        corpus = default_code_corpus(d / "code.txt", max_chars=300_000)
-        calibrate(gemma_dir, [corpus], d / "profile", opts, progress=False)
-
-    return artifacts.cached("gemma-depth-profile", key, build) / "profile"
-
-
-@pytest.fixture(scope="session")
-def depth_profile(model_dir: Path) -> Path:
-    """A small real EMAD calibration of the default model (about a minute), shared by the
-    depth engines and servers: probes every 2 layers, rank 16. Cached by model fingerprint
-    and calibration code."""
+def _emad_test_profile(model_dir: Path, name: str, model_key: dict, **options) -> Path:
+    """A small real EMAD calibration (probes every 2 layers, rank 16, budget 0.6) on 300k
+    characters of the code corpus, cached under ``name`` by ``model_key``, the options and the
+    calibration code."""
     import platform
 
     from vllm_adaptive.corpora import default_code_corpus
@@ -199,10 +165,11 @@ def depth_profile(model_dir: Path) -> Path:
     opts = CalibrationOptions(
         budget=0.6,
         rank=16,
+        **options,
         collect=CollectConfig(window=128, tokens=1024, keep=64, probe_every=2),
     )
     key = {
-        **_model_key(model_dir),
+        **model_key,
         "python": platform.python_version(),  # the code corpus is its standard library
         "options": repr(opts),
         "code": artifacts.code_hash("vllm_adaptive/depth", "vllm_adaptive/corpora.py"),
@@ -212,7 +179,24 @@ def depth_profile(model_dir: Path) -> Path:
         corpus = default_code_corpus(d / "code.txt", max_chars=300_000)
         calibrate(model_dir, [corpus], d / "profile", opts, progress=False)
 
-    return artifacts.cached("depth-profile", key, build) / "profile"
+    return artifacts.cached(name, key, build) / "profile"
+
+
+@pytest.fixture(scope="session")
+def gemma_depth_profile(gemma_dir: Path) -> Path:
+    """Gemma 3 270M's test profile, the proxy over 8192 tokens (Gemma's vocabulary is 262,144);
+    the Gemma depth and mask engines share it."""
+    from vllm_adaptive.artifacts import model_fingerprint
+
+    model_key = {"model": model_fingerprint(gemma_dir), **artifacts.machine_key()}
+    return _emad_test_profile(gemma_dir, "gemma-depth-profile", model_key, proxy_vocab=8192)
+
+
+@pytest.fixture(scope="session")
+def depth_profile(model_dir: Path) -> Path:
+    """The default model's test profile (about a minute), shared by the depth engines and
+    servers."""
+    return _emad_test_profile(model_dir, "depth-profile", _model_key(model_dir))
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import kv_strategies as kv
-from tests.support.depth_probe import (
-    audit_report,
-    install_mask_audit,
-    reset_nan_outputs,
-    restore_publishing_mask,
-    stop_publishing_mask,
-)
+from tests.support.depth_probe import install_mask_audit
 from tests.support.engines import shutdown
 
 
@@ -41,37 +35,13 @@ def test_exits_off_is_stock(llm, stock_bf16: dict) -> None:
     kv.check_exits_off_is_stock(llm, stock_bf16)
 
 
-def _mask_stats(model) -> dict:
-    from vllm_adaptive.depth.mask_context import mask_stats
-
-    return mask_stats()
-
-
 @pytest.mark.slow  # the full suite: 265 s on an AVX2 EPYC; tests/engine/test_depth_engine.py
 # runs the same audit workload in the default tier
 def test_masked_slots_never_contribute(llm) -> None:
     moved = kv.workload(llm, 1, "mask")
-    report = llm.apply_model(audit_report)[0]
-    eng = kv.engine_stats(llm)
-    masked = llm.apply_model(_mask_stats)[0]
-    assert report["installed"] and report["reads"] > 1000
-    assert report["poisoned"] > 1000, report  # unwritten slots were in attended ranges
-    assert report["nan_outputs"] == 0, report["first_nan_layers"]
-    assert masked["masked"] > 0, masked  # the backend's masked path ran
-    assert eng["kv_strategy"] == "mask" and eng["masked_steps"] > 0
-    assert eng["capped_prefills"] == 0  # a mask needs no prefill cap
-    assert eng["mean_decode_depth"] < 30
-    assert kv.deeper_later(llm) > 0
-    assert moved["preemptions"] > 0 and moved["prefix_hits"] > 0
+    kv.check_masked_slots_never_contribute(llm, moved, 30)
 
 
 def test_mask_withheld_reads_poisoned_slots(llm) -> None:
     """Negative control: the poison is real, only the mask keeps it out."""
-    llm.apply_model(stop_publishing_mask)
-    try:
-        llm.generate(["The history of the printing press"], kv.params(64), use_tqdm=False)
-        report = llm.apply_model(audit_report)[0]
-    finally:
-        llm.apply_model(restore_publishing_mask)
-        llm.apply_model(reset_nan_outputs)
-    assert report["nan_outputs"] > 0
+    kv.check_mask_withheld_reads_poison(llm, ["The history of the printing press"], kv.params(64))

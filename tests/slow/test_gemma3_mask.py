@@ -15,13 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import kv_strategies as kv
-from tests.support.depth_probe import (
-    audit_report,
-    install_mask_audit,
-    reset_nan_outputs,
-    restore_publishing_mask,
-    stop_publishing_mask,
-)
+from tests.support.depth_probe import install_mask_audit
 from tests.support.engines import NUM_BLOCKS, make_llm, shutdown
 from tests.support.workloads import PROMPTS, _ids, _params
 
@@ -54,12 +48,6 @@ def gemma_mask_llm(gemma_dir: Path, gemma_depth_profile: Path):
     shutdown(llm)
 
 
-def _mask_stats(model) -> dict:
-    from vllm_adaptive.depth.mask_context import mask_stats
-
-    return mask_stats()
-
-
 def _local_windows(model) -> list[int]:
     return [layer.attn.impl.sliding_window for layer in model.adaptive_parts().layers]
 
@@ -74,32 +62,11 @@ def test_budget_one_is_token_identical_to_stock(gemma_mask_llm, stock_gemma_bf16
 
 
 def test_masked_slots_never_contribute(gemma_mask_llm) -> None:
-    llm = gemma_mask_llm
-    moved = kv.workload(llm, 2, "g-mask")
-    report = llm.apply_model(audit_report)[0]
-    eng = kv.engine_stats(llm)
-    masked = llm.apply_model(_mask_stats)[0]
-    assert report["installed"] and report["reads"] > 1000
-    assert report["poisoned"] > 1000, report  # unwritten slots were in attended ranges
-    assert report["nan_outputs"] == 0, report["first_nan_layers"]
-    assert masked["masked"] > 0, masked  # the backend's masked path ran
-    assert eng["kv_strategy"] == "mask" and eng["masked_steps"] > 0
-    assert eng["capped_prefills"] == 0  # a mask needs no prefill cap
-    assert eng["mean_decode_depth"] < NUM_LAYERS
-    assert kv.deeper_later(llm) > 0  # not monotone: a token may run deeper than the one before
-    assert moved["preemptions"] > 0 and moved["prefix_hits"] > 0
+    moved = kv.workload(gemma_mask_llm, 2, "g-mask")
+    kv.check_masked_slots_never_contribute(gemma_mask_llm, moved, NUM_LAYERS)
 
 
 def test_mask_withheld_reads_poisoned_slots(gemma_mask_llm) -> None:
     """Negative control: the poison is real, only the mask keeps it out."""
-    llm = gemma_mask_llm
-    llm.apply_model(stop_publishing_mask)
-    try:
-        prompts = ["def quicksort(items):\n    ", "The history of the printing press"]
-        llm.generate(prompts, [kv.params(96, 0.4) for _ in prompts], use_tqdm=False)
-        report = llm.apply_model(audit_report)[0]
-    finally:
-        llm.apply_model(restore_publishing_mask)
-        llm.apply_model(reset_nan_outputs)
-    assert report["poisoned"] > 0  # exited tokens left unwritten slots in attended ranges
-    assert report["nan_outputs"] > 0
+    prompts = ["def quicksort(items):\n    ", "The history of the printing press"]
+    kv.check_mask_withheld_reads_poison(gemma_mask_llm, prompts, kv.params(96, 0.4))

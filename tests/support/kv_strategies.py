@@ -94,3 +94,49 @@ def exiting_continuation(llm, prompt: str, budget: float | None = None) -> None:
     ids = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
     llm.generate([{"prompt_token_ids": ids}], params(16, budget), use_tqdm=False)
     llm.reset_prefix_cache()
+
+
+def _mask_stats(model) -> dict:
+    from vllm_adaptive.depth.mask_context import mask_stats
+
+    return mask_stats()
+
+
+def check_masked_slots_never_contribute(llm, moved: dict, num_layers: int) -> None:
+    """After a workload under the ``mask`` strategy with the mask audit: unwritten slots were
+    in attended ranges and poisoned, none reached an output, and the masked path really ran."""
+    from tests.support.depth_probe import audit_report
+
+    report = llm.apply_model(audit_report)[0]
+    eng = engine_stats(llm)
+    masked = llm.apply_model(_mask_stats)[0]
+    assert report["installed"] and report["reads"] > 1000
+    assert report["poisoned"] > 1000, report  # unwritten slots were in attended ranges
+    assert report["nan_outputs"] == 0, report["first_nan_layers"]
+    assert masked["masked"] > 0, masked  # the backend's masked path ran
+    assert eng["kv_strategy"] == "mask" and eng["masked_steps"] > 0
+    assert eng["capped_prefills"] == 0  # a mask needs no prefill cap
+    assert eng["mean_decode_depth"] < num_layers
+    assert deeper_later(llm) > 0  # not monotone: a token may run deeper than the one before
+    assert moved["preemptions"] > 0 and moved["prefix_hits"] > 0
+
+
+def check_mask_withheld_reads_poison(llm, prompts: list[str], sampling: Any) -> None:
+    """Negative control: the same poison with the mask withheld from the backend reaches the
+    outputs (``prompts`` must exit early, so that unwritten slots are attended)."""
+    from tests.support.depth_probe import (
+        audit_report,
+        reset_nan_outputs,
+        restore_publishing_mask,
+        stop_publishing_mask,
+    )
+
+    llm.apply_model(stop_publishing_mask)
+    try:
+        llm.generate(prompts, [sampling for _ in prompts], use_tqdm=False)
+        report = llm.apply_model(audit_report)[0]
+    finally:
+        llm.apply_model(restore_publishing_mask)
+        llm.apply_model(reset_nan_outputs)
+    assert report["poisoned"] > 0  # exited tokens left unwritten slots in attended ranges
+    assert report["nan_outputs"] > 0
