@@ -137,6 +137,24 @@ def reset_nan_outputs(model: Any) -> None:
     _AUDIT["nan_outputs"] = []
 
 
+def scrub_nan_kv(model: Any) -> int:
+    """Zero every non-finite K/V value in the engine's caches; returns how many there were.
+
+    A negative control that lets the poison through leaves NaN in the K/V the poisoned
+    attention outputs went on to write; freed blocks keep it, and vLLM's fused op multiplies
+    slots past ``seq_len`` by a zero weight (0 * NaN = NaN), so a later request in a reused
+    block would read it. Scrubbing restores the cache a real engine would have."""
+    scrubbed = 0
+    for layer in model.adaptive_parts().layers:
+        caches = layer.attn.kv_cache
+        for cache in caches if isinstance(caches, (list, tuple)) else [caches]:
+            if cache.numel():
+                bad = ~torch.isfinite(cache)
+                scrubbed += int(bad.sum())
+                cache.masked_fill_(bad, 0)
+    return scrubbed
+
+
 def stop_publishing_mask(model: Any) -> None:
     """Negative control for the mask strategy: attention no longer learns which cached slots
     are masked, so it reads the poisoned ones."""

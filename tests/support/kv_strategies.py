@@ -128,6 +128,7 @@ def check_mask_withheld_reads_poison(llm, prompts: list[str], sampling: Any) -> 
         audit_report,
         reset_nan_outputs,
         restore_publishing_mask,
+        scrub_nan_kv,
         stop_publishing_mask,
     )
 
@@ -138,5 +139,7 @@ def check_mask_withheld_reads_poison(llm, prompts: list[str], sampling: Any) -> 
     finally:
         llm.apply_model(restore_publishing_mask)
         llm.apply_model(reset_nan_outputs)
+        scrubbed = llm.apply_model(scrub_nan_kv)[0]
     assert report["poisoned"] > 0  # exited tokens left unwritten slots in attended ranges
     assert report["nan_outputs"] > 0
+    assert scrubbed > 0  # the poison reached K/V written after it (and is gone now)
