@@ -10,6 +10,11 @@ thresholds, margins, figures) plus a model fingerprint and the sha256 of the ten
 `load_profile` refuses, with a `ProfileError` naming the problem, a profile made for another
 model, a missing or corrupt file, or another format version.
 
+The fingerprint hashes config.json as sorted JSON without the keys that name its writer
+(transformers stamps its own version), so the same weights converted under another
+transformers version keep it; :func:`fingerprint_matches` also accepts the fingerprint of
+config.json's bytes that artifacts carried before.
+
 Reading needs no torch: the fingerprint reads the safetensors header and converts the few
 hashed rows with numpy (bf16 / f16 to float32 is exact, so the bytes equal torch's), and
 ``load_profile(..., framework="numpy")`` returns numpy arrays (the MLX backend's path).
@@ -32,6 +37,9 @@ TENSORS_NAME = "tensors.safetensors"
 #: tensors hashed into the fingerprint (first rows only for the big ones)
 _FINGERPRINT_TENSORS = ("model.norm.weight", "model.embed_tokens.weight", "lm_head.weight")
 _FINGERPRINT_ROWS = 64
+#: config.json keys that record who wrote the file, not the model: transformers stamps its own
+#: version, so the same weights converted under another version must keep their fingerprint
+_WRITER_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
 
 
 class ProfileError(Exception):
@@ -61,14 +69,42 @@ def _rows_as_float32(raw: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<f4" if dtype == "F32" else "<f8").astype(np.float32)
 
 
+def _canonical_config(cfg: Path) -> bytes:
+    """config.json as sorted, compact JSON without the writer's keys (``_WRITER_KEYS``)."""
+    try:
+        doc = json.loads(cfg.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{cfg} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ProfileError(f"{cfg} is not a JSON object")
+    for key in _WRITER_KEYS:
+        doc.pop(key, None)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over config.json, every tensor's name/dtype/shape and a few weights' leading rows."""
+    """sha256 over config.json (canonical, without the writer's version), every tensor's
+    name/dtype/shape and a few weights' leading rows."""
+    return _fingerprint(Path(model_dir), legacy=False)
+
+
+def fingerprint_matches(stored: Any, model_dir: str | Path) -> tuple[bool, str]:
+    """Whether an artifact's stored fingerprint names ``model_dir``; returns (match, the model's
+    fingerprint). Artifacts written before the canonical config hash (which hashed config.json's
+    bytes as written) still match the model they were made for."""
     model_dir = Path(model_dir)
+    mine = model_fingerprint(model_dir)
+    if stored == mine:
+        return True, mine
+    return stored == _fingerprint(model_dir, legacy=True), mine
+
+
+def _fingerprint(model_dir: Path, legacy: bool) -> str:
     h = hashlib.sha256()
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         raise ProfileError(f"model directory {model_dir} has no config.json")
-    h.update(cfg.read_bytes())
+    h.update(cfg.read_bytes() if legacy else _canonical_config(cfg))
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ProfileError(f"model directory {model_dir} has no *.safetensors weights")
@@ -134,8 +170,8 @@ def load_profile(profile_dir: str | Path, model_dir: str | Path, framework: str 
             f"profile {d}: format version {version!r}, this code reads {FORMAT_VERSION}; "
             "recalibrate"
         )
-    want = model_fingerprint(model_dir)
-    if meta.get("model_fingerprint") != want:
+    ok, want = fingerprint_matches(meta.get("model_fingerprint"), model_dir)
+    if not ok:
         raise ProfileError(
             f"profile {d} was made for a different model (fingerprint "
             f"{str(meta.get('model_fingerprint'))[:12]}..., {model_dir} is {want[:12]}...)"

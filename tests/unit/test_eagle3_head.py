@@ -66,6 +66,30 @@ def test_head_refused_for_another_target(tmp_path: Path) -> None:
         e3.check_head_for_target(head, wider)
 
 
+def test_head_survives_another_transformers_version(tmp_path: Path) -> None:
+    """The same weights converted under another transformers version (its config.json stamps
+    its own version, and may order keys differently) are the same target; a head stamped
+    before the canonical config hash (config.json's bytes) is still accepted by its target."""
+    from vllm_adaptive.artifacts import _fingerprint
+
+    target = _target(tmp_path, transformers_version="5.17.0")
+    head = e3.random_head(tmp_path / "head", target, draft_vocab_size=6)
+    cfg = json.loads((target / "config.json").read_text())
+    legacy = _fingerprint(target, legacy=True)
+    cfg["transformers_version"] = "5.19.0"
+    (target / "config.json").write_text(json.dumps(dict(reversed(cfg.items())), indent=2))
+    e3.check_head_for_target(head, target)
+    marker = head / e3.MARKER
+    doc = json.loads(marker.read_text())
+    doc["target_fingerprint"] = _fingerprint(target, legacy=True)  # stamped on this config
+    marker.write_text(json.dumps(doc))
+    e3.check_head_for_target(head, target)
+    doc["target_fingerprint"] = legacy  # bytes of a config this target no longer has
+    marker.write_text(json.dumps(doc))
+    with pytest.raises(e3.Eagle3HeadError, match="made for another model"):
+        e3.check_head_for_target(head, target)
+
+
 def test_save_head_checks_shapes(tmp_path: Path) -> None:
     target = _target(tmp_path)
     cfg = e3.head_config(TARGET, 6)

@@ -9,18 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_adaptive.artifacts import model_fingerprint
+from vllm_adaptive.artifacts import _canonical_config, fingerprint_matches, model_fingerprint
 from vllm_adaptive.bench.metrics import free_running_agreement
 from vllm_adaptive.depth.isotonic import IsotonicMap
 from vllm_adaptive.depth.policies.emad_rule import EmadRule
 
 
-def _torch_fingerprint(model_dir: Path) -> str:
+def _torch_fingerprint(model_dir: Path, config_bytes: bytes) -> str:
     """The fingerprint as torch computed it before (safe_open "pt", rows through .float())."""
     from safetensors import safe_open
 
     h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
+    h.update(config_bytes)
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in sorted(st.keys()):
@@ -49,7 +49,12 @@ def test_numpy_fingerprint_equals_the_torch_one(tmp_path: Path, dtype: str) -> N
         },
         str(tmp_path / "model.safetensors"),
     )
-    assert model_fingerprint(tmp_path) == _torch_fingerprint(tmp_path)
+    cfg = tmp_path / "config.json"
+    assert model_fingerprint(tmp_path) == _torch_fingerprint(tmp_path, _canonical_config(cfg))
+    # an artifact stamped with the fingerprint of config.json's bytes (before the canonical
+    # hash) still matches this model
+    assert fingerprint_matches(_torch_fingerprint(tmp_path, cfg.read_bytes()), tmp_path)[0]
+    assert not fingerprint_matches("0" * 64, tmp_path)[0]
 
 
 def test_emad_rule_lowrank_and_feature() -> None:

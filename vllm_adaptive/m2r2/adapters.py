@@ -297,7 +297,7 @@ class M2R2Adapters(nn.Module):
 
 def check_model(config: AdapterConfig, meta: dict[str, Any], model_dir, where: str = "") -> None:
     """Raise AdapterError unless the adapter's shapes and fingerprint match ``model_dir``."""
-    from vllm_adaptive.artifacts import ProfileError, model_fingerprint
+    from vllm_adaptive.artifacts import ProfileError, fingerprint_matches
 
     model_dir = Path(model_dir)
     try:
@@ -311,12 +311,12 @@ def check_model(config: AdapterConfig, meta: dict[str, Any], model_dir, where: s
             raise AdapterError(
                 f"adapter {where} was made for another model: {name}={a}, {model_dir} has {b}"
             )
+    theirs = meta.get("model_fingerprint")
     try:
-        fp = model_fingerprint(model_dir)
+        ok, fp = fingerprint_matches(theirs, model_dir)
     except ProfileError as e:
         raise AdapterError(str(e)) from None
-    theirs = meta.get("model_fingerprint")
-    if theirs != fp:
+    if not ok:
         raise AdapterError(
             f"adapter {where} was made for another model (fingerprint {str(theirs)[:12]}..., "
             f"{model_dir} is {fp[:12]}...)"

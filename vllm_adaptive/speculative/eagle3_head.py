@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vllm_adaptive.artifacts import model_fingerprint
+from vllm_adaptive.artifacts import fingerprint_matches, model_fingerprint
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 MARKER = "vllm_adaptive.json"
@@ -234,8 +234,8 @@ def check_head_for_target(head_dir: str | Path, target_dir: str | Path) -> None:
     marker = head / MARKER
     if marker.is_file():
         want = json.loads(marker.read_text()).get("target_fingerprint")
-        got = model_fingerprint(target_dir)
-        if want and want != got:
+        ok, got = fingerprint_matches(want, target_dir) if want else (True, "")
+        if not ok:
             raise Eagle3HeadError(
                 f"EAGLE-3 head {head} was made for another model (fingerprint {want[:12]}, "
                 f"this target {got[:12]}: {target_dir})"
