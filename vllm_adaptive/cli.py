@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
 
-    from vllm_adaptive.metal_backend.server import add_serve_arguments
+    from vllm_adaptive.metal_backend.serve_args import add_serve_arguments
 
     serve = sub.add_parser(
         "serve",

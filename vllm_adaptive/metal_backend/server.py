@@ -438,26 +438,6 @@ def make_http_server(app: MlxServer, host: str, port: int) -> ThreadingHTTPServe
 
 
 # -- command line ------------------------------------------------------------------------------
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="checkpoint directory (see `vllm-adaptive models prepare`)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="default: the directory's name")
-    p.add_argument(
-        "--additional-config",
-        default=None,
-        metavar="JSON",
-        help='as for `vllm serve`: {"adaptive": {...}} (a JSON object or a file holding one)',
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=4,
-        help="drafts per round with adaptive.speculative (vLLM: speculative_config's field)",
-    )
-
-
 def adaptive_section(additional_config: str | None) -> dict[str, Any]:
     """The ``adaptive`` section of a ``--additional-config`` value ({} when absent)."""
     if not additional_config:
