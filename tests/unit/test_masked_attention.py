@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -26,6 +28,7 @@ import torch
 
 from tests.support.masked_attention_cases import TOL, dense_reference, make_case, rel_err
 from tests.support.triton_masked_interp_cases import SPECIAL, cases
+from vllm_adaptive.kernels import native
 from vllm_adaptive.kernels.masked_paged_attention import (
     logical_kv,
     masked_paged_attention,
@@ -530,3 +533,107 @@ def test_query_positions_for_fused_rows(layout):
     assert not torch.allclose(contiguous, y, atol=1e-3)
     with pytest.raises(ValueError, match="mask_step_tokens"):
         _run(case, query_positions=qpos)
+
+
+# ---------------------------------------------------------------------------------------------
+# the native C++ decode kernel (CPU layout), against the reference and the torch path
+# ---------------------------------------------------------------------------------------------
+
+HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
+@pytest.fixture(scope="module")
+def native_built():
+    """The kernel builds wherever a C++ compiler exists (a failed build fails the tests here,
+    it is not skipped); only a machine without one skips."""
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the native kernel cannot be built here")
+    assert native.ensure_built(), native.why_unavailable()
+
+
+# (query lens, cached lens): decode rows of many lengths, one exactly a block, a one-token row
+NATIVE_DECODE = ((1, 1, 1, 1, 1), (40, 95, 0, 128, 300))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("window", [-1, 1, 45])
+def test_native_decode_matches_reference(native_built, dtype, shape, window):
+    """Decode rows through the C++ kernel: the dense reference's answer (NaN / inf in every slot
+    a request may not read, shuffled tables padded with out-of-range ids), and the torch path's."""
+    h, kvh, hs, bs = shape
+    q_lens, ctx = NATIVE_DECODE
+    case = make_case(
+        zlib.crc32(repr((shape, window)).encode()) % 1000,
+        dtype=dtype,
+        heads=h,
+        kv_heads=kvh,
+        head_size=hs,
+        block_size=bs,
+        query_lens=q_lens,
+        ctx_lens=ctx,
+    )
+    assert case.masked_slots.numel() > 0
+    y = _run(case, native=True, sliding_window=window)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_err(y, dense_reference(case, sliding_window=window)) < TOL[dtype]
+    torch_path = _run(case, native=False, sliding_window=window)
+    assert rel_err(y, torch_path.double()) < max(TOL[dtype], 1e-5)
+
+
+def test_native_decode_special_cases(native_built):
+    """Garbage in hidden slots changes nothing (bit-identical); the layer moves the mask;
+    mask_step_tokens can hide a row entirely (zeros); no record is plain causal attention; a
+    mixed batch sends its prefill rows to the torch path and its decode rows here."""
+    kw = dict(heads=9, kv_heads=3, query_lens=(1, 1, 1), ctx_lens=(70, 40, 3), block_size=16)
+    a = _run(make_case(3, poison=True, **kw), native=True)
+    b = _run(make_case(3, poison=True, stale=50.0, **kw), native=True)
+    c = _run(make_case(3, poison=False, stale=1e4, **kw), native=True)
+    assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+
+    for lyr in (0, 7):
+        case = make_case(5, layer=lyr, **kw)
+        assert rel_err(_run(case, native=True), dense_reference(case)) < TOL[torch.float32]
+    case = make_case(5, poison=False, **kw)
+    assert not torch.allclose(
+        _run(case, native=True), _run(dataclasses.replace(case, layer=7), native=True)
+    )
+
+    hidden = make_case(
+        6, record_mode="none_written", mask_step_tokens=True, poison=False, stale=3.0, **kw
+    )
+    assert torch.equal(_run(hidden, native=True, mask_step_tokens=True), torch.zeros_like(a))
+
+    plain = make_case(7, record_mode="full", **kw)
+    y = masked_paged_attention(*plain.args()[:7], None, 0, out=torch.empty_like(plain.query),
+                               native=True)  # fmt: skip
+    assert rel_err(y, dense_reference(plain)) < TOL[torch.float32]
+
+    mixed = make_case(8, heads=4, kv_heads=2, query_lens=(1, 12, 1), ctx_lens=(31, 50, 128))
+    assert rel_err(_run(mixed, native=True), dense_reference(mixed)) < TOL[torch.float32]
+
+
+def test_native_decode_refuses_bad_input(native_built):
+    case = make_case(9, query_lens=(1, 1), ctx_lens=(40, 70))
+    bad = case.block_table.clone()
+    bad[1, 0] = case.key_cache.shape[0] + 5  # a block the cache does not have
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _run(dataclasses.replace(case, block_table=bad), native=True)
+    short = case.block_table[:, :1].contiguous()  # too few blocks for the sequence
+    with pytest.raises(RuntimeError, match="needs more blocks"):
+        _run(dataclasses.replace(case, block_table=short), native=True)
+
+
+def test_native_off_is_refused_when_demanded(monkeypatch):
+    """ADAPTIVE_NATIVE_KERNELS=off: the default path falls back to torch (same answer), and a
+    caller that demands the native kernel gets an error naming the variable."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv(native.NATIVE_KERNELS, "off")
+    case = make_case(10, query_lens=(1, 1), ctx_lens=(40, 70))
+    assert rel_err(_run(case), dense_reference(case)) < TOL[torch.float32]
+    with pytest.raises(RuntimeError, match=native.NATIVE_KERNELS):
+        _run(case, native=True)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv(native.NATIVE_KERNELS, "sometimes")
+    with pytest.raises(ValueError, match="'on' or 'off'"):
+        native.ensure_built()

@@ -9,7 +9,8 @@ in :meth:`MaskedCPUAttentionImpl.forward`:
   or this layer below ``mask.all_visible_below``: vLLM's fused op (the parent's ``forward``);
 - otherwise (and whenever the mask carries ``query_positions``: token fusion left a request's
   queries non-contiguous, which vLLM's op cannot express) :func:`masked_paged_attention` over
-  the same paged cache, reading
+  the same paged cache (its decode rows on the C++ kernel of ``kernels/native.py``, built when
+  the impl is, at engine start), reading
   ``query_start_loc``, ``seq_lens`` and ``block_table`` of the step's ``CPUAttentionMetadata``.
 
 Everything else is inherited: the metadata builder (so the depth runtime can keep slicing
@@ -54,6 +55,7 @@ from vllm_adaptive.kernels.masked_paged_attention import (
     masked_paged_attention,
     split_cpu_kv_cache,
 )
+from vllm_adaptive.kernels.native import ensure_built as ensure_native_built
 
 # CPU_ATTN ISAs whose K/V layout the torch masked kernel reads (K transposed per block and head)
 SUPPORTED_ISAS = ("vec", "vec16")
@@ -157,6 +159,9 @@ class MaskedCPUAttentionImpl(CPUAttentionBackendImpl):
         isa = _predicted_isa(head_size, kv_cache_dtype)
         if isa is not None and isa not in SUPPORTED_ISAS:
             raise _isa_error(isa)
+        # the C++ decode kernel is built here, at engine start (once per machine), never inside
+        # a request; where it cannot be, the torch path runs (logged once)
+        ensure_native_built()
         self._layer_index: int | None = None
         self._masked_checked = False
 

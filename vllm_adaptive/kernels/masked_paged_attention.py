@@ -69,6 +69,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_adaptive.kernels.native import masked_decode_op, why_unavailable
+
 LAYOUT_CPU = "cpu"
 LAYOUT_NHD = "nhd"
 LAYOUTS = (LAYOUT_CPU, LAYOUT_NHD)
@@ -301,6 +303,39 @@ def _check(query, k, block_table, seq_lens, query_start_loc, depth_record) -> No
         )
 
 
+def _native_decode(
+    op, query, key_cache, value_cache, seq_lens, block_table, scale, depth_record, layer, out,
+    sliding_window, mask_step_tokens,
+) -> torch.Tensor:  # fmt: skip
+    """Every row one decode token: the C++ kernel on the cache in place (it checks the shapes,
+    the block ids and the lengths itself), writing into ``out`` where it is float32 already."""
+    q = query if query.dtype == torch.float32 and query.is_contiguous() else query.float()
+    q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    o = out if direct else torch.empty(q.shape, dtype=torch.float32)
+    record = depth_record
+    if record is not None and (record.dtype != torch.int16 or not record.is_contiguous()):
+        record = record.to(torch.int16).contiguous()
+    op(
+        o,
+        q,
+        key_cache,
+        value_cache,
+        seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32),
+        block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32),
+        record,
+        layer,
+        scale,
+        sliding_window,
+        mask_step_tokens,
+    )
+    if not direct:
+        out.copy_(o)
+    return out
+
+
 def masked_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -320,6 +355,7 @@ def masked_paged_attention(
     sliding_window: int = -1,
     max_elems: int = DEFAULT_MAX_ELEMS,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``query`` ``[num_tokens, num_heads, head_size]`` with the depth
     mask of layer ``layer`` (see the module doc for the rule and the layouts).
@@ -338,6 +374,10 @@ def masked_paged_attention(
 
     ``sliding_window`` ``W > 0``: a query at position ``q`` sees keys at ``q - W + 1 .. q`` only,
     as vLLM's CPU attention op does with the same window (Gemma 3's local layers); -1: no window.
+
+    ``native``: decode rows of the CPU layout go to the C++ kernel (``kernels/native.py``) when
+    it is built (None, the default), always (True: an error where it cannot run) or never
+    (False: the torch path, which every other row takes).
     """
     if sliding_window == 0 or sliding_window < -1:
         raise ValueError(f"sliding_window must be -1 (none) or positive, got {sliding_window}")
@@ -351,6 +391,21 @@ def masked_paged_attention(
             raise ValueError(
                 f"query_positions must be [{query.shape[0]}], got {tuple(query_positions.shape)}"
             )
+    if (
+        native is not False
+        and layout == LAYOUT_CPU
+        and rows is None
+        and query_positions is None
+        and query.device.type == "cpu"
+        and query.dim() == 3
+        and query.shape[0] == seq_lens.shape[0]  # one query token per request: all decode
+    ):
+        op = masked_decode_op()
+        if op is not None:  # the hot path of the masked backend: straight to the C++ kernel
+            return _native_decode(
+                op, query, key_cache, value_cache, seq_lens, block_table, scale, depth_record,
+                layer, out, sliding_window, mask_step_tokens,
+            )  # fmt: skip
     k, _ = logical_kv(key_cache, value_cache, layout)
     _check(query, k, block_table, seq_lens, query_start_loc, depth_record)
     nb, nkv, bs, hs = k.shape
@@ -387,6 +442,33 @@ def masked_paged_attention(
             written = rec2d[ids] > layer
             ok &= written if mask_step_tokens else (written | (j >= ctx[:, None, None]))
         return ok
+
+    if decode and native is not False and layout == LAYOUT_CPU and dev.type == "cpu":
+        op = masked_decode_op()
+        if op is None and native:
+            raise RuntimeError(
+                f"the native masked decode kernel is unavailable: {why_unavailable()}"
+            )
+        if op is not None:
+            idx = torch.tensor(decode)
+            tok = torch.tensor([qsl[r] for r in decode])
+            q = query[tok].float().contiguous()
+            o = torch.empty_like(q)
+            op(
+                o,
+                q,
+                key_cache,
+                value_cache,
+                seq_lens[idx].to(torch.int32).contiguous(),
+                block_table[idx].to(torch.int32),
+                None if depth_record is None else depth_record.to(torch.int16).contiguous(),
+                layer,
+                scale,
+                sliding_window,
+                mask_step_tokens,
+            )
+            out[tok] = o.to(out.dtype)
+            decode = []
 
     # decode rows: sorted by length, grouped while padding stays under 2x and memory bounded
     decode.sort(key=lambda r: lens[r])

@@ -1,0 +1,408 @@
+// Decode attention over vLLM's CPU paged KV cache with the per-slot depth mask.
+//
+// One query token per request (the query sits at seq_len - 1). The mask rule of
+// docs/masked-attention.md: at layer `layer` a cached key j < seq_len - 1 is visible iff
+// depth_record[slot(j)] > layer; the step's own key (j = seq_len - 1) is visible unless
+// mask_step_tokens, where the record decides for it too. A sliding window W > 0 keeps keys
+// seq_len - W .. seq_len - 1. Invisible slots are never read as V and their scores never enter
+// the softmax, so NaN / inf left in them cannot leak; rows with no visible key are zeros.
+//
+// Layout (vLLM CPU_ATTN, ISAs vec / vec16): per (block, kv head) K is stored transposed,
+// [head_size][block_size], and V as [block_size][head_size]; `key_cache` / `value_cache` are
+// the two chunks of the layer cache (strides of dims 0 and 1 taken from the tensors).
+//
+// Work is split over (request, kv head); each task reads its K/V blocks once for the G query
+// heads that share them (online softmax, fp32 accumulation). Why not vLLM's op: it has no
+// per-slot mask (docs/masked-attention.md has the measurements).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+
+// exp for x <= 0 from arithmetic and bit operations only, so that loops over it vectorize
+// (Cephes' expf polynomial after range reduction; relative error ~2e-7; x below -87 gives
+// ~1e-38, never used for a hidden slot, whose weight is set to 0 separately).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline float as_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Vectors of 16 floats in GCC's vector extension: one zmm on AVX512, two ymm on AVX2.
+typedef float vec16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+// exp_nonpositive on 16 lanes (the same polynomial; floor by truncation and a correction).
+inline vec16 exp16(vec16 x) {
+  const vec16 lo = vec16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vec16 t = x * 1.44269504088896341f + 0.5f;
+  vec16 n = __builtin_convertvector(__builtin_convertvector(t, i32x16), vec16);
+  n = n + __builtin_convertvector(n > t, vec16);  // truncation rounded a negative t up: -1
+  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline i32x16 lane_mask(const uint8_t* vis) {  // all ones where vis[i] != 0
+  u8x16 v;
+  std::memcpy(&v, vis, sizeof(v));
+  return __builtin_convertvector(v, i32x16) != 0;
+}
+
+template <typename T>
+inline vec16 load16(const T* p);
+template <>
+inline vec16 load16<float>(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <>
+inline vec16 load16<at::BFloat16>(const at::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;  // bf16 is float's top half
+  vec16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+template <>
+inline vec16 load16<at::Half>(const at::Half* p) {
+  alignas(64) float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
+  return load16<float>(f);
+}
+
+// The fast path: block size a multiple of 16, head size 16 * ND. Scores per 16 slots in
+// registers (four partial sums over the head dimension), the G heads' accumulators of one
+// block in registers while the block's visible V rows stream through.
+template <typename T, int ND>
+void masked_decode_vec(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& seq_lens,
+                       const at::Tensor& block_table, const int16_t* record, int64_t layer,
+                       double scale, int64_t window, bool mask_step_tokens) {
+  constexpr int64_t D = 16 * ND;
+  const int64_t R = query.size(0), H = query.size(1);
+  const int64_t KVH = key_cache.size(1), BS = key_cache.size(2);
+  const int64_t G = H / KVH, num_blocks = key_cache.size(0);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
+  const int64_t bts = block_table.stride(0);
+  const T* kbase = key_cache.data_ptr<T>();
+  const T* vbase = value_cache.data_ptr<T>();
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(G * D), acc(G * D), m(G), l(G), s(BS), probs(G * BS);
+    std::vector<uint8_t> vis(BS);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / KVH, h = task % KVH;
+      const int64_t len = lens[r];
+      const float* qh = q + (r * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = qh[i] * fscale;  // scale folded into q
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t nblk = (len + BS - 1) / BS;
+      for (int64_t b = first / BS; b < nblk; ++b) {
+        const int64_t block = table[r * bts + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block id ", block,
+                    " outside the cache's ", num_blocks, " blocks");
+        int64_t nvis = 0;
+        for (int64_t i = 0; i < BS; ++i) {
+          const int64_t pos = b * BS + i;
+          bool ok = pos < len && pos >= first;
+          if (ok && record != nullptr && (pos < len - 1 || mask_step_tokens))
+            ok = record[block * BS + i] > layer;
+          vis[i] = ok;
+          nvis += ok;
+        }
+        if (nvis == 0) continue;
+        const T* kb = kbase + block * ks0 + h * ks1;  // K^T: [D][BS]
+        const T* vb = vbase + block * vs0 + h * vs1;  // V: [BS][D]
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qs.data() + g * D;
+          const vec16 hidden = vec16{} - std::numeric_limits<float>::infinity();
+          vec16 vmax = hidden;
+          for (int64_t c = 0; c < BS; c += 16) {
+            vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            for (int64_t d = 0; d < D; d += 4) {
+              a0 += qg[d] * load16(kb + d * BS + c);
+              a1 += qg[d + 1] * load16(kb + (d + 1) * BS + c);
+              a2 += qg[d + 2] * load16(kb + (d + 2) * BS + c);
+              a3 += qg[d + 3] * load16(kb + (d + 3) * BS + c);
+            }
+            // a NaN K in a hidden slot is dropped here
+            const vec16 sc = lane_mask(vis.data() + c) ? (a0 + a1) + (a2 + a3) : hidden;
+            vmax = vmax > sc ? vmax : sc;
+            std::memcpy(s.data() + c, &sc, sizeof(sc));
+          }
+          float mb = neg_inf;
+          for (int i = 0; i < 16; ++i) mb = std::max(mb, vmax[i]);
+          const float mnew = std::max(m[g], mb);
+          const float corr = m[g] == neg_inf ? 0.f : exp_nonpositive(m[g] - mnew);
+          float* pg = probs.data() + g * BS;
+          vec16 vsum = {};
+          for (int64_t c = 0; c < BS; c += 16) {
+            const vec16 e = exp16(load16(s.data() + c) - mnew);
+            const vec16 pc = lane_mask(vis.data() + c) ? e : vec16{};
+            vsum += pc;
+            std::memcpy(pg + c, &pc, sizeof(pc));
+          }
+          float sum = 0.f;
+          for (int i = 0; i < 16; ++i) sum += vsum[i];
+          l[g] = l[g] * corr + sum;
+          m[g] = mnew;
+          float* ag = acc.data() + g * D;
+          vec16 av[ND];
+          for (int c = 0; c < ND; ++c) av[c] = load16(ag + 16 * c) * corr;
+          for (int64_t i = 0; i < BS; ++i) {
+            if (!vis[i]) continue;  // hidden V rows are never read
+            const T* vr = vb + i * D;
+            const float pi = pg[i];
+            for (int c = 0; c < ND; ++c) av[c] += pi * load16(vr + 16 * c);
+          }
+          for (int c = 0; c < ND; ++c) std::memcpy(ag + 16 * c, &av[c], sizeof(vec16));
+        }
+      }
+      float* oh = o + (r * H + h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+// Any other shape: the same computation in plain loops.
+template <typename T>
+void masked_decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                        const at::Tensor& value_cache, const at::Tensor& seq_lens,
+                        const at::Tensor& block_table, const int16_t* record, int64_t layer,
+                        double scale, int64_t window, bool mask_step_tokens) {
+  const int64_t R = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t KVH = key_cache.size(1), BS = key_cache.size(2);
+  const int64_t G = H / KVH, num_blocks = key_cache.size(0);
+  const int64_t ks0 = key_cache.stride(0), ks1 = key_cache.stride(1);
+  const int64_t vs0 = value_cache.stride(0), vs1 = value_cache.stride(1);
+  const int64_t bts = block_table.stride(0);
+  const T* kbase = key_cache.data_ptr<T>();
+  const T* vbase = value_cache.data_ptr<T>();
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(G * D), acc(G * D), m(G), l(G), s(BS), p(BS), probs(G * BS);
+    std::vector<uint8_t> vis(BS);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / KVH, h = task % KVH;
+      const int64_t len = lens[r];
+      const float* qh = q + (r * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = qh[i] * fscale;  // scale folded into q
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t nblk = (len + BS - 1) / BS;
+      for (int64_t b = first / BS; b < nblk; ++b) {
+        const int64_t block = table[r * bts + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block id ", block,
+                    " outside the cache's ", num_blocks, " blocks");
+        int64_t nvis = 0;
+        for (int64_t i = 0; i < BS; ++i) {
+          const int64_t pos = b * BS + i;
+          bool ok = pos < len && pos >= first;
+          if (ok && record != nullptr && (pos < len - 1 || mask_step_tokens))
+            ok = record[block * BS + i] > layer;
+          vis[i] = ok;
+          nvis += ok;
+        }
+        if (nvis == 0) continue;
+        const T* kb = kbase + block * ks0 + h * ks1;  // K^T: [D][BS]
+        const T* vb = vbase + block * vs0 + h * vs1;  // V: [BS][D]
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qs.data() + g * D;
+          for (int64_t i = 0; i < BS; ++i) s[i] = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qg[d];
+            const T* kd = kb + d * BS;
+            for (int64_t i = 0; i < BS; ++i) s[i] += qd * as_float(kd[i]);
+          }
+          float mb = neg_inf;
+          for (int64_t i = 0; i < BS; ++i) {
+            s[i] = vis[i] ? s[i] : neg_inf;  // a NaN K in a hidden slot is dropped here
+            mb = std::max(mb, s[i]);
+          }
+          const float mnew = std::max(m[g], mb);
+          const float corr = m[g] == neg_inf ? 0.f : exp_nonpositive(m[g] - mnew);
+          float sum = 0.f;
+          for (int64_t i = 0; i < BS; ++i) {
+            const float e = exp_nonpositive(s[i] - mnew);
+            p[i] = vis[i] ? e : 0.f;
+            sum += p[i];
+          }
+          l[g] = l[g] * corr + sum;
+          m[g] = mnew;
+          float* ag = acc.data() + g * D;
+          if (corr != 1.f)
+            for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+          float* pg = probs.data() + g * BS;
+          for (int64_t i = 0; i < BS; ++i) pg[i] = p[i];
+        }
+        for (int64_t i = 0; i < BS; ++i) {
+          if (!vis[i]) continue;  // hidden V rows are never read
+          const T* vr = vb + i * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float pi = probs[g * BS + i];
+            float* ag = acc.data() + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += pi * as_float(vr[d]);
+          }
+        }
+      }
+      float* oh = o + (r * H + h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_shape(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& seq_lens,
+                    const at::Tensor& block_table, const int16_t* record, int64_t layer,
+                    double scale, int64_t window, bool mask_step_tokens) {
+  if (key_cache.size(2) % 16 == 0) {
+    switch (key_cache.size(3)) {
+#define ADAPTIVE_HEAD_CASE(d)                                                                 \
+  case d:                                                                                     \
+    return masked_decode_vec<T, d / 16>(out, query, key_cache, value_cache, seq_lens,         \
+                                        block_table, record, layer, scale, window,            \
+                                        mask_step_tokens);
+      ADAPTIVE_HEAD_CASE(64)
+      ADAPTIVE_HEAD_CASE(80)
+      ADAPTIVE_HEAD_CASE(96)
+      ADAPTIVE_HEAD_CASE(128)
+      ADAPTIVE_HEAD_CASE(256)
+#undef ADAPTIVE_HEAD_CASE
+      default:
+        break;
+    }
+  }
+  masked_decode_impl<T>(out, query, key_cache, value_cache, seq_lens, block_table, record, layer,
+                        scale, window, mask_step_tokens);
+}
+
+void masked_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& seq_lens,
+                   const at::Tensor& block_table, const std::optional<at::Tensor>& depth_record,
+                   int64_t layer, double scale, int64_t sliding_window, bool mask_step_tokens) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
+              "query must be contiguous float32 [requests, heads, head_size]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "out must be contiguous float32 shaped like query");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache / value_cache must be [blocks, kv_heads, block_size, head_size] alike");
+  const int64_t BS = key_cache.size(2), D = key_cache.size(3);
+  TORCH_CHECK(D == query.size(2), "head_size differs between query and cache");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  for (const at::Tensor* c : {&key_cache, &value_cache})
+    TORCH_CHECK(c->stride(3) == 1 && c->stride(2) == D,
+                "each (block, kv head) of the cache must be block_size x head_size contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  seq_lens.numel() == query.size(0),
+              "seq_lens must be contiguous int32 [requests]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1 && block_table.size(0) >= query.size(0),
+              "block_table must be int32 [requests, max_blocks] with contiguous rows");
+  const int16_t* record = nullptr;
+  if (depth_record.has_value()) {
+    TORCH_CHECK(depth_record->scalar_type() == at::kShort && depth_record->is_contiguous() &&
+                    depth_record->numel() >= key_cache.size(0) * BS,
+                "depth_record must be contiguous int16 with a value per cache slot");
+    record = depth_record->data_ptr<int16_t>();
+  }
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_table.size(1);
+  for (int64_t r = 0; r < query.size(0); ++r)
+    TORCH_CHECK(lens[r] >= 1 && (lens[r] + BS - 1) / BS <= max_blocks,
+                "request ", r, ": seq_len ", lens[r], " needs more blocks than block_table has");
+  switch (key_cache.scalar_type()) {
+    case at::kFloat:
+      dispatch_shape<float>(out, query, key_cache, value_cache, seq_lens, block_table, record,
+                                layer, scale, sliding_window, mask_step_tokens);
+      break;
+    case at::kBFloat16:
+      dispatch_shape<at::BFloat16>(out, query, key_cache, value_cache, seq_lens, block_table,
+                                       record, layer, scale, sliding_window, mask_step_tokens);
+      break;
+    case at::kHalf:
+      dispatch_shape<at::Half>(out, query, key_cache, value_cache, seq_lens, block_table,
+                                   record, layer, scale, sliding_window, mask_step_tokens);
+      break;
+    default:
+      TORCH_CHECK(false, "cache dtype must be float32, bfloat16 or float16, got ",
+                  key_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vllm_adaptive_native, m) {
+  m.def(
+      "masked_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor seq_lens, Tensor block_table, Tensor? depth_record, int layer, float scale, "
+      "int sliding_window, bool mask_step_tokens) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) { m.impl("masked_decode", &masked_decode); }

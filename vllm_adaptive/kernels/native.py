@@ -1,0 +1,116 @@
+"""The plugin's C++ CPU kernels, built on the machine that runs them.
+
+Only where no library kernel serves (``csrc/masked_decode.cpp``: decode attention over vLLM's
+CPU paged cache with the per-slot depth mask, which vLLM's CPU op cannot express). Built with
+torch's C++ extension loader for this CPU (``-march=native``) on first use, into
+``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the digest covers the source, the flags, torch's
+version and the CPU's ISA, so a cache shared between machines never loads a foreign build. The
+build takes tens of seconds once per machine; callers start it at engine start
+(:func:`ensure_built`), never inside a request.
+
+``ADAPTIVE_NATIVE_KERNELS=off`` never builds them (the torch paths run); without a C++ compiler
+the build fails once, says why in a warning, and the torch paths run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vllm_adaptive.environment import cache_root, cpu_flags, setting
+
+logger = logging.getLogger("vllm.adaptive.native")
+
+#: ``on`` (default): build and use the C++ kernels; ``off``: the torch paths only.
+NATIVE_KERNELS = "ADAPTIVE_NATIVE_KERNELS"
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+NAMESPACE = "vllm_adaptive_native"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    value = (setting(NATIVE_KERNELS, "on") or "on").lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{NATIVE_KERNELS} must be 'on' or 'off', got {value!r}")
+    return value == "on"
+
+
+def build_digest(source: Path) -> str:
+    """What a build depends on: the source, the flags, torch and the CPU's ISA flags."""
+    h = hashlib.sha256(source.read_bytes())
+    h.update(repr((CFLAGS, torch.__version__, sorted(cpu_flags()))).encode())
+    return h.hexdigest()[:16]
+
+
+def _load(source: Path) -> None:
+    from torch.utils.cpp_extension import load
+
+    name = f"adaptive_{source.stem}_{build_digest(source)}"
+    build_dir = cache_root() / "extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def ensure_built() -> bool:
+    """Build (once per machine) and load the native kernels; False where they cannot run here
+    (turned off, not x86 / Linux, no compiler), with the reason logged once."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        ok = False
+        if not enabled():
+            _state["why"] = f"{NATIVE_KERNELS}=off"
+        elif not cpu_flags():
+            _state["why"] = "no /proc/cpuinfo flags (not Linux): -march=native is not checked"
+        else:
+            t0 = time.perf_counter()
+            try:
+                _load(CSRC / "masked_decode.cpp")
+                ok = True
+                _state["seconds"] = time.perf_counter() - t0
+                logger.info(
+                    "vllm-adaptive: native kernels ready (%.1f s, cached per machine in %s)",
+                    _state["seconds"],
+                    cache_root() / "extensions",
+                )
+            except Exception as err:  # compiler missing or failing: the torch path still runs
+                _state["why"] = f"{type(err).__name__}: {str(err)[-800:]}"
+                logger.warning(
+                    "vllm-adaptive: the native masked decode kernel could not be built, masked "
+                    "attention runs its torch path (slower): %s",
+                    _state["why"],
+                )
+        _state["ok"] = ok
+        return ok
+
+
+def masked_decode_op() -> Callable[..., None] | None:
+    """``torch.ops.vllm_adaptive_native.masked_decode`` when built, else None."""
+    if not ensure_built():
+        return None
+    return getattr(torch.ops, NAMESPACE).masked_decode
+
+
+def why_unavailable() -> str | None:
+    """Why the native kernels do not run here (None when they do, or were not asked for yet)."""
+    return _state.get("why")  # type: ignore[return-value]
+
+
+__all__ = ["NATIVE_KERNELS", "ensure_built", "masked_decode_op", "why_unavailable"]
