@@ -17,11 +17,13 @@ On a CUDA GPU (``--device cuda``, the default when one is present; vLLM's GPU la
   stock backend's kernel), when ``vllm.vllm_flash_attn`` imports.
 
 Timings with ``triton.testing.do_bench`` (median ms). On CPU (``--device cpu``; vLLM's CPU_ATTN
-layout, block size 32): the torch implementation against vLLM's ``cpu_attention_with_kv_cache``
-with the mask all-visible (checked against each other first; the unused slots hold finite
-garbage since vLLM's op reads the tail of the last block), plus the torch implementation with
-``--masked`` of the cached slots masked; median of ``--repeats`` wall-clock runs, one thread
-unless ``--threads``. Cells with ``batch * context > --max-tokens`` are skipped.
+layout, block size 32): the torch implementation and the native C++ kernel
+(``kernels/native.py``, when it builds here) against vLLM's ``cpu_attention_with_kv_cache`` with
+the mask all-visible (checked against each other first; the unused slots hold finite garbage
+since vLLM's op reads the tail of the last block), and both with ``--masked`` of the cached slots
+masked (the native kernel checked against the torch path there); median of ``--repeats``
+wall-clock runs, one thread unless ``--threads``. Cells with ``batch * context >
+--max-tokens`` are skipped.
 
     vllm-adaptive kernels bench-attention --out docs/data/masked-attention-h100.json
     vllm-adaptive kernels bench-attention --device cpu --contexts 512,2048,8192 \\
@@ -48,6 +50,7 @@ from vllm_adaptive.kernels.masked_paged_attention import (
     masked_paged_attention,
     split_cpu_kv_cache,
 )
+from vllm_adaptive.kernels.native import ensure_built
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -131,26 +134,37 @@ def cpu_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
     # computed once per step by vLLM's metadata builder, so outside the timing
     sched = stock_cpu_scheduler_metadata(q, kc, a[0], a[1])
 
-    def ours(record):
-        return masked_paged_attention(q, kc, vc, *a, record, args.layer)
+    def ours(record, native=False):
+        return masked_paged_attention(q, kc, vc, *a, record, args.layer, native=native)
 
     def stock():
         return stock_cpu_attention(q, kc, vc, *a, scheduler_metadata=sched)
 
-    err = rel(ours(full), stock())
-    t_ours = _cpu_time(lambda: ours(full), args.repeats)
-    t_stock = _cpu_time(stock, args.repeats)
-    return {
+    ref = stock()
+    err = rel(ours(full), ref)
+    cell = {
         "shape": f"{nh}x{kvh}x{hs}",
         "batch": batch,
         "context": ctx,
         "err_vs_vllm": err,
         "ok": err < TOL[dtype],
-        "ms_torch_all_visible": t_ours,
-        "ms_torch_masked": _cpu_time(lambda: ours(rec), args.repeats),
-        "ms_vllm_cpu_attn": t_stock,
-        "ratio_torch_vs_vllm": t_ours / t_stock,
     }
+    native = ensure_built()
+    if native:
+        cell["err_native_vs_vllm"] = rel(ours(full, True), ref)
+        cell["err_native_vs_torch_masked"] = rel(ours(rec, True), ours(rec))
+        cell["ok"] &= (
+            max(cell["err_native_vs_vllm"], cell["err_native_vs_torch_masked"]) < TOL[dtype]
+        )
+    cell["ms_vllm_cpu_attn"] = _cpu_time(stock, args.repeats)
+    cell["ms_torch_all_visible"] = _cpu_time(lambda: ours(full), args.repeats)
+    cell["ms_torch_masked"] = _cpu_time(lambda: ours(rec), args.repeats)
+    cell["ratio_torch_vs_vllm"] = cell["ms_torch_all_visible"] / cell["ms_vllm_cpu_attn"]
+    if native:
+        cell["ms_native_all_visible"] = _cpu_time(lambda: ours(full, True), args.repeats)
+        cell["ms_native_masked"] = _cpu_time(lambda: ours(rec, True), args.repeats)
+        cell["ratio_native_vs_vllm"] = cell["ms_native_all_visible"] / cell["ms_vllm_cpu_attn"]
+    return cell
 
 
 def cuda_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
