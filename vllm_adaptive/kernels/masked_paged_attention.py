@@ -58,8 +58,10 @@ head_size]`` (:func:`logical_kv`); nothing is copied until blocks are gathered.
 the output is cast to the query dtype). Decode rows (one query token) are processed together,
 sorted by length and grouped so that padding stays small; a prefill row is processed alone, with
 its queries in chunks (each chunk only reads the keys up to its last position). Per request or
-per group there is a fixed number of torch ops; nothing loops over tokens in Python. Not
-supported: sliding windows, ALiBi, soft-capping, sinks, fp8 caches, encoder attention.
+per group there is a fixed number of torch ops; nothing loops over tokens in Python. On the CPU
+layout, decode rows go to the C++ kernel instead (``kernels/native.py``; a step whose rows are
+all decode rows goes there without any of the above). Not supported: ALiBi, soft-capping, sinks,
+fp8 caches, encoder attention.
 
 Over 400 lines: one kernel (the decode groups and the chunked prefill share the cache
 gather and the mask), with the stock CPU op it is checked and timed against.
