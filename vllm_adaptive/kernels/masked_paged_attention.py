@@ -454,22 +454,11 @@ def masked_paged_attention(
         if op is not None:
             idx = torch.tensor(decode)
             tok = torch.tensor([qsl[r] for r in decode])
-            q = query[tok].float().contiguous()
-            o = torch.empty_like(q)
-            op(
-                o,
-                q,
-                key_cache,
-                value_cache,
-                seq_lens[idx].to(torch.int32).contiguous(),
-                block_table[idx].to(torch.int32),
-                None if depth_record is None else depth_record.to(torch.int16).contiguous(),
-                layer,
-                scale,
-                sliding_window,
+            out[tok] = _native_decode(
+                op, query[tok], key_cache, value_cache, seq_lens[idx].contiguous(),
+                block_table[idx], scale, depth_record, layer, None, sliding_window,
                 mask_step_tokens,
-            )
-            out[tok] = o.to(out.dtype)
+            )  # fmt: skip
             decode = []
 
     # decode rows: sorted by length, grouped while padding stays under 2x and memory bounded
