@@ -553,10 +553,13 @@ def native_built():
 
 # (query lens, cached lens): decode rows of many lengths, one exactly a block, a one-token row
 NATIVE_DECODE = ((1, 1, 1, 1, 1), (40, 95, 0, 128, 300))
+# the kernel's query-head groups beyond SHAPES' (2, 3, 4, 6 heads per KV head, head 32 in plain
+# loops): one head (head 256), 7 heads in groups of one, 8 in two groups of four (head 96)
+NATIVE_SHAPES = [*SHAPES, (2, 2, 256, 32), (7, 1, 64, 32), (8, 1, 96, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("shape", NATIVE_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 @pytest.mark.parametrize("window", [-1, 1, 45])
 def test_native_decode_matches_reference(native_built, dtype, shape, window):
     """Decode rows through the C++ kernel: the dense reference's answer (NaN / inf in every slot

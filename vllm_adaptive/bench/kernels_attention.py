@@ -22,7 +22,7 @@ layout, block size 32): the torch implementation and the native C++ kernel
 the mask all-visible (checked against each other first; the unused slots hold finite garbage
 since vLLM's op reads the tail of the last block), and both with ``--masked`` of the cached slots
 masked (the native kernel checked against the torch path there); median of ``--repeats``
-wall-clock runs, one thread unless ``--threads``. Cells with ``batch * context >
+wall-clock runs taken in turns, one thread unless ``--threads``. Cells with ``batch * context >
 --max-tokens`` are skipped.
 
     vllm-adaptive kernels bench-attention --out docs/data/masked-attention-h100.json
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from vllm_adaptive.attention.stock_cpu import stock_cpu_attention, stock_cpu_scheduler_metadata
+from vllm_adaptive.kernels.autotune import cpu_info
 from vllm_adaptive.kernels.masked_paged_attention import (
     masked_paged_attention,
     split_cpu_kv_cache,
@@ -71,6 +71,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer", type=int, default=15)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--cold-mib",
+        type=int,
+        default=0,
+        help="CPU: stream this many MiB (a few times the last-level cache) before each timed "
+        "call, so that the KV cache comes from memory (default 0: warm, each call after an "
+        "untimed one)",
+    )
     p.add_argument("--max-tokens", type=int, default=1 << 16)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -111,14 +119,22 @@ def make_paged(batch, ctx, kvh, hs, bs, dtype, device, layout, masked, layer, se
     return (key_cache.to(device), value_cache.to(device), dev, full.to(device), rec.to(device))
 
 
-def _cpu_time(fn, repeats):
-    fn()
-    ts = []
+def _cpu_times(fns: dict, repeats: int, evict: torch.Tensor | None = None) -> dict[str, float]:
+    """Median ms of each callable, the callables taking turns (a neighbour's load on a shared
+    host then falls on all of them alike). Each timed call follows an untimed one of the same
+    callable (warm: none is timed on the caches its predecessor left), or a pass over ``evict``
+    (cold: the cache comes from memory, as a served model's 30 layers of KV do)."""
+    ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+        for k, fn in fns.items():
+            if evict is None:
+                fn()
+            else:
+                evict.add_(1.0)
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
 
 def rel(a, b):
@@ -156,14 +172,20 @@ def cpu_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
         cell["ok"] &= (
             max(cell["err_native_vs_vllm"], cell["err_native_vs_torch_masked"]) < TOL[dtype]
         )
-    cell["ms_vllm_cpu_attn"] = _cpu_time(stock, args.repeats)
-    cell["ms_torch_all_visible"] = _cpu_time(lambda: ours(full), args.repeats)
-    cell["ms_torch_masked"] = _cpu_time(lambda: ours(rec), args.repeats)
+    fns = {
+        "ms_vllm_cpu_attn": stock,
+        "ms_torch_all_visible": lambda: ours(full),
+        "ms_torch_masked": lambda: ours(rec),
+    }
+    if native:
+        fns["ms_native_all_visible"] = lambda: ours(full, True)
+        fns["ms_native_masked"] = lambda: ours(rec, True)
+    evict = torch.zeros(args.cold_mib << 18) if args.cold_mib else None
+    cell.update(_cpu_times(fns, args.repeats, evict))
     cell["ratio_torch_vs_vllm"] = cell["ms_torch_all_visible"] / cell["ms_vllm_cpu_attn"]
     if native:
-        cell["ms_native_all_visible"] = _cpu_time(lambda: ours(full, True), args.repeats)
-        cell["ms_native_masked"] = _cpu_time(lambda: ours(rec, True), args.repeats)
         cell["ratio_native_vs_vllm"] = cell["ms_native_all_visible"] / cell["ms_vllm_cpu_attn"]
+        cell["ratio_native_masked_vs_vllm"] = cell["ms_native_masked"] / cell["ms_vllm_cpu_attn"]
     return cell
 
 
@@ -260,13 +282,13 @@ def main(argv=None) -> int:
     cells = run(cell_fn, args, shapes, contexts, batches, dtype, bs)
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name()
-        if device == "cuda"
-        else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else cpu_info()["cpu"],
+        "cpu": cpu_info() if device == "cpu" else None,
         "torch": torch.__version__,
         "dtype": str(dtype),
         "block_size": bs,
         "threads": args.threads if device == "cpu" else None,
+        "cold_mib": args.cold_mib if device == "cpu" else None,
         "masked_fraction": args.masked,
         "layer": args.layer,
         "seconds": round(time.time() - t0, 1),
