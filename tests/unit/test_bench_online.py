@@ -203,6 +203,41 @@ def test_spec_acceptance_from_vllm_metrics() -> None:
     assert servers.parse_spec_counters("vllm:num_requests_running 1.0") == {}
 
 
+def test_mechanism_use_from_the_plugins_metrics() -> None:
+    """Mean depth, the deciding share and the gear mix of one client run, from the plugin's
+    counters on /metrics before and after it (summed over engines)."""
+    page = "\n".join(
+        [
+            "# HELP vllm_adaptive:decode_tokens_total Decode tokens.",
+            'vllm_adaptive:decode_tokens_total{engine="0"} 100.0',
+            'vllm_adaptive:decode_tokens_total{engine="1"} 50.0',
+            "vllm_adaptive:layers_executed_total 4000.0",
+            "vllm_adaptive:decision_seconds_total 1.5",
+            "vllm_adaptive:forward_seconds_total 12.0",
+            'vllm_adaptive:gear_tokens_total{gear="low"} 30.0',
+            'vllm_adaptive:gear_tokens_total{gear="high"} 120.0',
+            "vllm_adaptive:mean_decode_depth 26.7",
+            'vllm_adaptive:exit_tokens_total{depth="30"} 150.0',
+        ]
+    )
+    after = servers.parse_adaptive_counters(page)
+    assert after["adaptive_decode_tokens"] == 150.0
+    assert after["adaptive_gear_tokens:low"] == 30.0 and "adaptive_mean_decode_depth" not in after
+    before = {
+        "adaptive_decode_tokens": 50.0,
+        "adaptive_layers_executed": 1000.0,
+        "adaptive_decision_seconds": 0.5,
+        "adaptive_forward_seconds": 2.0,
+        "adaptive_gear_tokens:low": 10.0,
+        "adaptive_gear_tokens:high": 40.0,
+    }
+    got = servers.mechanism_use(before, after)
+    assert got["mean_decode_depth"] == 3000.0 / 100.0
+    assert got["decision_share"] == 1.0 / 10.0
+    assert got["gear_fractions"] == {"high": 0.8, "low": 0.2}
+    assert servers.mechanism_use({}, servers.parse_adaptive_counters("vllm:x_total 1.0")) == {}
+
+
 def test_hybrid_tally_is_the_last_one_the_server_logged(tmp_path) -> None:
     log = tmp_path / "server.log"
     line = (

@@ -43,11 +43,12 @@ from vllm_adaptive.bench.servers import (
     default_servers,
     engine_init,
     hybrid_tally,
+    mechanism_use,
     parse_server_spec,
     serve_command,
     serve_env,
+    server_counters,
     serving,
-    spec_counters,
 )
 
 
@@ -129,7 +130,7 @@ def run(
             for c in concurrency:
                 n = prompts_per_concurrency(c, min_prompts)
                 name = f"{slug}-c{c}-r{r}.json"
-                counters = spec_counters(srv.url)
+                counters = server_counters(srv.url)
                 res = run_client(
                     client_command(
                         srv.url,
@@ -147,7 +148,9 @@ def run(
                     out_dir / name,
                 )
                 kept = {k: res.get(k) for k in KEPT}
-                kept.update(acceptance(counters, spec_counters(srv.url)))
+                after = server_counters(srv.url)
+                kept.update(acceptance(counters, after))
+                kept.update(mechanism_use(counters, after))
                 rec["runs"].setdefault(str(c), []).append({"round": r, **kept})
                 rec["texts"].setdefault(str(c), res.get("generated_texts", []))
                 print(
@@ -157,6 +160,11 @@ def run(
                     + (
                         f", acceptance {kept['spec_acceptance']:.2f}"
                         if "spec_acceptance" in kept
+                        else ""
+                    )
+                    + (
+                        f", {kept['mean_decode_depth']:.2f} layers a decode token"
+                        if "mean_decode_depth" in kept
                         else ""
                     ),
                     flush=True,

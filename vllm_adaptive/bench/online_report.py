@@ -26,8 +26,9 @@ KEPT = (
     "mean_itl_ms",
 )
 
-#: from the server's /metrics around each client run, where it drafts
-SPEC_KEPT = ("spec_acceptance", "spec_accepted_per_draft")
+#: from the server's /metrics around each client run: vLLM's where it drafts, the plugin's
+#: where a mechanism counts (gear fractions stay per run, in the JSON)
+SPEC_KEPT = ("spec_acceptance", "spec_accepted_per_draft", "mean_decode_depth", "decision_share")
 
 
 def agreement(texts: Sequence[str], reference: Sequence[str], tok: Any) -> dict[str, float]:
@@ -160,6 +161,8 @@ def _online_markdown(report: dict[str, Any]) -> str:
             q = s.get("agreement", {}).get(c)
             agree = f"{q['identical']:.2f}" if q else "ref" if s["stock"] and not q else "-"
             acc = f" / acc {m['spec_acceptance']:.2f}" if "spec_acceptance" in m else ""
+            if "mean_decode_depth" in m:
+                acc += f" / {m['mean_decode_depth']:.2f} layers"
             if m.get("failed_total"):
                 acc += f" / **{m['failed_total']} failed**"
             x = m.get("x_output_throughput")
@@ -179,7 +182,8 @@ def _online_markdown(report: dict[str, Any]) -> str:
         "x: output tok/s over the baseline's; agree: fraction of requests whose greedy text is "
         "identical to stock's at the same dtype and concurrency; acc (drafting servers): "
         "drafted tokens accepted per drafted token, from vLLM's /metrics counters around the "
-        "run. Failed requests: "
+        "run; layers (depth servers): decoder layers run per decode token, from the plugin's "
+        "counters around the run. Failed requests: "
         + str(
             sum(
                 r.get("failed", 0)

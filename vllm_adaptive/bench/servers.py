@@ -206,12 +206,56 @@ def parse_spec_counters(text: str) -> dict[str, float]:
     return out
 
 
-def spec_counters(url: str) -> dict[str, float]:
+_ADAPTIVE_COUNTER = re.compile(
+    r"^vllm_adaptive:(decode_tokens|layers_executed|decision_seconds|forward_seconds|gear_tokens)"
+    r"_total(\{[^}]*\})?\s+(\S+)$"
+)
+_GEAR_LABEL = re.compile(r'gear="([^"]*)"')
+
+
+def parse_adaptive_counters(text: str) -> dict[str, float]:
+    """The plugin's own counters in a /metrics page (docs/serving.md), keys ``adaptive_<name>``
+    and ``adaptive_gear_tokens:<gear>``; empty for stock vLLM."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _ADAPTIVE_COUNTER.match(line)
+        if not m:
+            continue
+        key = f"adaptive_{m.group(1)}"
+        if m.group(1) == "gear_tokens":
+            gear = _GEAR_LABEL.search(m.group(2) or "")
+            key += f":{gear.group(1) if gear else '?'}"
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """vLLM's drafting counters and the plugin's counters, read once from ``/metrics``."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            return parse_spec_counters(resp.read().decode())
+            page = resp.read().decode()
     except (urllib.error.URLError, OSError):
         return {}
+    return {**parse_spec_counters(page), **parse_adaptive_counters(page)}
+
+
+def mechanism_use(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the plugin's mechanisms did during one client run, from its counters around it: the
+    mean decoder layers per decode token (depth), the share of the forward spent deciding
+    exits or gears, and the decode tokens per precision gear (fractions)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("adaptive_")}
+    out: dict[str, Any] = {}
+    decode = d.get("adaptive_decode_tokens", 0.0)
+    if decode > 0 and d.get("adaptive_layers_executed", 0.0) > 0:
+        out["mean_decode_depth"] = d["adaptive_layers_executed"] / decode
+    forward = d.get("adaptive_forward_seconds", 0.0)
+    if forward > 0:
+        out["decision_share"] = d.get("adaptive_decision_seconds", 0.0) / forward
+    gears = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("adaptive_gear_tokens:")}
+    total = sum(gears.values())
+    if total > 0:
+        out["gear_fractions"] = {g: v / total for g, v in sorted(gears.items())}
+    return out
 
 
 def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
