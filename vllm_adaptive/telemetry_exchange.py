@@ -107,14 +107,56 @@ def _dir(directory: str | os.PathLike | None) -> Path:
 # -- engine stats (one file per engine process, rewritten atomically) -------------------------
 
 
+#: per exchange directory, per mechanism: the latest totals each mechanism of this process wrote
+_mine: dict[Path, dict[str, dict[str, Any]]] = {}
+#: keys a depth runtime owns when it shares a process with other mechanisms (they count every
+#: decode token at full depth, which under depth is not what ran)
+DEPTH_OWNED = ("decode_tokens", "layers_executed", "exit_tokens", "num_layers")
+
+
+def merge_mechanisms(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One process's totals from the mechanisms that run in it (depth on a precision gear, ...):
+    the depth runtime's token and layer counts, deciding time summed (each mechanism's own),
+    forward time the longest (they time the same forward), other keys from the first writer."""
+    if len(entries) == 1:
+        return entries[0]
+    depth = next((e for e in entries if e.get("mechanism") == "depth"), None)
+    merged: dict[str, Any] = {}
+    for entry in entries:
+        for key, value in entry.items():
+            if key == "mechanism" or (
+                depth is not None and entry is not depth and key in DEPTH_OWNED
+            ):
+                continue
+            if key == "decision_seconds" and isinstance(value, (int, float)):
+                merged[key] = merged.get(key, 0.0) + value
+            elif key == "forward_seconds" and isinstance(value, (int, float)):
+                merged[key] = max(merged.get(key, 0.0), value)
+            else:
+                merged.setdefault(key, value)
+    merged["mechanism"] = "+".join(str(e.get("mechanism")) for e in entries)
+    return merged
+
+
 def write_engine_stats(stats: dict[str, Any], directory: str | os.PathLike | None = None) -> None:
-    """Atomically replace this process's ``engine-<pid>.json`` with ``stats``.
+    """Atomically replace this process's ``engine-<pid>.json`` with ``stats`` merged with what
+    the process's other mechanisms last wrote (:func:`merge_mechanisms`; keyed by
+    ``stats["mechanism"]``; stats that name no mechanism replace the whole file).
 
     ``stats`` must be JSON-able (strict JSON: NaN and infinity raise ValueError).
     """
     path = _dir(directory)
     pid = os.getpid()
-    data = json.dumps(stats, allow_nan=False, separators=(",", ":"))
+    mechanism = str(stats.get("mechanism") or "")
+    with _lock:
+        mine = _mine.setdefault(path, {})
+        if mechanism:
+            mine.pop("", None)
+        else:
+            mine.clear()
+        mine[mechanism] = stats
+        merged = merge_mechanisms(list(mine.values()))
+    data = json.dumps(merged, allow_nan=False, separators=(",", ":"))
     # Hidden and not matching engine-*.json, unique per thread: readers never see it.
     tmp = path / f".{ENGINE_PREFIX}{pid}.{threading.get_ident()}.tmp"
     try:

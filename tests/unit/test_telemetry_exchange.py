@@ -92,6 +92,24 @@ def test_engine_stats_round_trip_and_atomic_write(tmp_path: Path, monkeypatch) -
         write_engine_stats({"forward_seconds": float("nan")}, tmp_path)  # not strict JSON
 
 
+def test_mechanisms_of_one_process_share_its_file(tmp_path: Path) -> None:
+    """Depth on a precision gear: both runtimes live in the worker and export; the file keeps
+    both (it used to hold whichever wrote last), with depth's token and layer counts (precision
+    counts every token at full depth), both deciding times, one forward time."""
+    write_engine_stats(PRECISION_STATS, tmp_path)
+    write_engine_stats(DEPTH_STATS, tmp_path)
+    write_engine_stats({**PRECISION_STATS, "gear_shifts": 5}, tmp_path)  # precision again
+    (got,) = read_engine_stats(tmp_path)
+    assert got["mechanism"] == "precision+depth"
+    for key in ("decode_tokens", "layers_executed", "exit_tokens", "num_layers"):
+        assert got[key] == DEPTH_STATS[key], key
+    assert got["gear_tokens"] == PRECISION_STATS["gear_tokens"] and got["gear_shifts"] == 5
+    assert got["decision_seconds"] == 0.25 + 0.125 and got["forward_seconds"] == 4.5
+    assert got["prefill_tokens"] == 40 and got["requests_finished"] == 3
+    write_engine_stats({"decode_tokens": 2}, tmp_path)  # no mechanism named: the whole file
+    assert read_engine_stats(tmp_path) == [{"decode_tokens": 2}]
+
+
 def test_partial_and_foreign_files_are_skipped(tmp_path: Path) -> None:
     write_engine_stats(DEPTH_STATS, tmp_path)
     (tmp_path / "engine-1.json").write_text('{"decode_tokens": 5, "exit_')  # torn write
