@@ -28,7 +28,7 @@ KEPT = (
 
 #: from the server's /metrics around each client run: vLLM's where it drafts, the plugin's
 #: where a mechanism counts (gear fractions stay per run, in the JSON)
-SPEC_KEPT = ("spec_acceptance", "spec_accepted_per_draft", "mean_decode_depth", "decision_share")
+METRICS_KEPT = ("spec_acceptance", "spec_accepted_per_draft", "mean_decode_depth", "decision_share")
 
 
 def agreement(texts: Sequence[str], reference: Sequence[str], tok: Any) -> dict[str, float]:
@@ -58,7 +58,7 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
                 continue
             med = {
                 k: statistics.median(r[k] for r in runs if r.get(k) is not None)
-                for k in (*KEPT, *SPEC_KEPT)
+                for k in (*KEPT, *METRICS_KEPT)
                 if any(r.get(k) is not None for r in runs)
             }
             med["output_throughput_range"] = [
