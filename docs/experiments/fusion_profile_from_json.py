@@ -32,14 +32,14 @@ def main() -> int:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from vllm_adaptive.artifacts import Profile, model_fingerprint, save_profile
+    from vllm_adaptive.artifacts import Profile, fingerprint_matches, save_profile
     from vllm_adaptive.corpora import read_corpus
     from vllm_adaptive.depth.calibration.fusion import KIND, load_fusion_profile, token_counts
 
     meta = json.loads(Path(args.json).read_text())
     if meta.get("kind") != KIND:
         raise SystemExit(f"{args.json}: not a fusion profile (kind {meta.get('kind')!r})")
-    if meta["model_fingerprint"] != model_fingerprint(args.model):
+    if not fingerprint_matches(meta["model_fingerprint"], args.model)[0]:
         raise SystemExit(f"{args.json}: made for another model than {args.model}")
     files = [read_corpus(c) for c in args.corpus]
     want = {c["sha256"] for c in meta["corpora"]}

@@ -56,8 +56,19 @@ BATCHES = {
 
 
 def _run(case, **kw):
+    """The torch path unless ``native`` says otherwise (the CPU layout's default is the C++
+    kernel where it builds; the torch path is what GPUs and the other shapes run)."""
+    kw.setdefault("native", False)
     out = torch.full_like(case.query, float("nan"))
     return masked_paged_attention(*case.args(), layout=case.layout, out=out, **kw)
+
+
+@pytest.fixture(params=["torch", "native"])
+def native_path(request) -> bool:
+    """The checks below on both CPU paths: the torch one and the C++ kernels."""
+    if request.param == "native":
+        request.getfixturevalue("native_built")
+    return request.param == "native"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,21 +138,21 @@ def test_bad_sliding_window_is_refused():
             _run(case, sliding_window=bad)
 
 
-def test_masked_and_unused_slots_do_not_matter():
+def test_masked_and_unused_slots_do_not_matter(native_path):
     """Poison (NaN / inf), finite garbage, or other finite garbage in every slot the request
     may not read: the output is bit-identical."""
     kw = dict(heads=9, kv_heads=3, query_lens=(1, 5, 1), ctx_lens=(70, 40, 3), block_size=16)
     for layout in ("cpu", "nhd"):
-        a = _run(make_case(3, layout=layout, poison=True, **kw))
-        b = _run(make_case(3, layout=layout, poison=True, stale=50.0, **kw))
-        c = _run(make_case(3, layout=layout, poison=False, stale=1e4, **kw))
+        a = _run(make_case(3, layout=layout, poison=True, **kw), native=native_path)
+        b = _run(make_case(3, layout=layout, poison=True, stale=50.0, **kw), native=native_path)
+        c = _run(make_case(3, layout=layout, poison=False, stale=1e4, **kw), native=native_path)
         assert torch.isfinite(a).all()
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_mask_changes_the_output_and_step_records_are_ignored():
+def test_mask_changes_the_output_and_step_records_are_ignored(native_path):
     case = make_case(4, query_lens=(1, 6), ctx_lens=(60, 50))
-    masked = _run(case)
+    masked = _run(case, native=native_path)
     # this step's slots carry stale records: forcing them to 0 or to "all written" changes nothing
     qsl, bs = case.query_start_loc.tolist(), 32
     for r, s in enumerate(case.seq_lens.tolist()):
@@ -150,29 +161,33 @@ def test_mask_changes_the_output_and_step_records_are_ignored():
         slots = case.block_table[r, p // bs].long() * bs + p % bs
         for v in (0, 99):
             case.depth_record[slots] = v
-            assert torch.equal(_run(case), masked)
+            assert torch.equal(_run(case, native=native_path), masked)
     # the same cache with every cached slot visible (and the masked ones filled) differs
     full = make_case(4, query_lens=(1, 6), ctx_lens=(60, 50), record_mode="full")
-    assert not torch.allclose(_run(full), masked, atol=1e-3)
+    assert not torch.allclose(_run(full, native=native_path), masked, atol=1e-3)
 
 
-def test_layer_index_moves_the_mask():
+def test_layer_index_moves_the_mask(native_path):
     """Raising the record of every slot above the layer makes the mask all-visible; the record
     is compared with ``> layer`` (a slot of depth d holds layers 0 .. d-1)."""
     case = make_case(5, query_lens=(1, 1), ctx_lens=(50, 20), record_mode="full", num_layers=8)
-    y_full = _run(case)
+    y_full = _run(case, native=native_path)
     case.depth_record.fill_(4)
-    assert torch.equal(masked_paged_attention(*case.args()[:-1], 3), y_full)  # 4 > 3: visible
-    y4 = masked_paged_attention(*case.args()[:-1], 4)  # 4 > 4 is false: only own slot visible
+    assert torch.equal(
+        masked_paged_attention(*case.args()[:-1], 3, native=native_path), y_full
+    )  # 4 > 3: visible
+    y4 = masked_paged_attention(
+        *case.args()[:-1], 4, native=native_path
+    )  # 4 > 4 is false: only own slot visible
     v_own = torch.stack([case.v_tokens[r][-1] for r in range(2)])  # [R, KVH, D]
     expect = v_own.repeat_interleave(case.query.shape[1] // v_own.shape[1], dim=1)
     assert torch.allclose(y4, expect, atol=1e-6)
 
 
-def test_fully_masked_rows_are_zero():
+def test_fully_masked_rows_are_zero(native_path):
     kw = dict(query_lens=(1, 4), ctx_lens=(30, 10), mask_step_tokens=True)
     case = make_case(6, record_mode="none_written", **kw)
-    y = _run(case, mask_step_tokens=True)
+    y = _run(case, mask_step_tokens=True, native=native_path)
     assert torch.equal(y, torch.zeros_like(y))
     # a random record under mask_step_tokens, request 0 with nothing written: its row is empty,
     # the others as the reference
@@ -182,23 +197,23 @@ def test_fully_masked_rows_are_zero():
     case.visible[0][:] = False
     ref = dense_reference(case)
     assert (ref[0] == 0).all() and (ref[1:].abs().amax((1, 2)) > 0).all()
-    y = _run(case, mask_step_tokens=True)
+    y = _run(case, mask_step_tokens=True, native=native_path)
     assert (y.double() - ref).abs().max() < 1e-5
 
 
-def test_no_record_is_plain_causal_attention():
+def test_no_record_is_plain_causal_attention(native_path):
     case = make_case(8, query_lens=(1, 9), ctx_lens=(45, 20), record_mode="full")
-    y0 = _run(case)
+    y0 = _run(case, native=native_path)
     case.depth_record = None
-    assert torch.allclose(_run(case), y0, atol=1e-6)
+    assert torch.allclose(_run(case, native=native_path), y0, atol=1e-6)
 
 
-def test_rows_subset_leaves_other_rows_untouched():
+def test_rows_subset_leaves_other_rows_untouched(native_path):
     case = make_case(9, query_lens=(1, 3, 1), ctx_lens=(10, 10, 10))
     out = torch.full_like(case.query, 7.0)
-    masked_paged_attention(*case.args(), out=out, rows=[1])
+    masked_paged_attention(*case.args(), out=out, rows=[1], native=native_path)
     assert (out[0] == 7.0).all() and (out[4] == 7.0).all()
-    assert torch.equal(out[1:4], _run(case)[1:4])
+    assert torch.equal(out[1:4], _run(case, native=native_path)[1:4])
 
 
 def test_bad_inputs_are_refused():
@@ -212,9 +227,9 @@ def test_bad_inputs_are_refused():
         bad[2] = 2
         masked_paged_attention(case.query, case.key_cache, case.value_cache,
                                case.query_start_loc, bad, case.block_table, 0.1)  # fmt: skip
-    with pytest.raises(ValueError, match="chunk"):
+    with pytest.raises(ValueError, match="chunk"):  # the torch path gathers K and V together
         kc = case.key_cache.contiguous()  # a copy, not a chunk of one cache
-        masked_paged_attention(case.query, kc, case.value_cache, *case.args()[3:])
+        masked_paged_attention(case.query, kc, case.value_cache, *case.args()[3:], native=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,8 +332,8 @@ def test_triton_module_imports_without_triton(monkeypatch):
     assert mod.TRITON_AVAILABLE is False and mod.INTERPRETED is False
     case = make_case(12)
     assert not mod.triton_usable(case.query, 32, 64)
-    y = mod.masked_attention(*case.args())  # falls back to torch
-    assert torch.equal(y, _run(case))
+    y = mod.masked_attention(*case.args())  # falls back to masked_paged_attention's default
+    assert torch.equal(y, _run(case, native=None))
     with pytest.raises(RuntimeError, match="triton is not installed"):
         mod.masked_decode_attention(*case.args(), torch.tensor([0]))
 
@@ -331,7 +346,7 @@ def test_dispatcher_uses_torch_on_cpu_tensors():
         pytest.skip("this session runs triton in interpreter mode")
     case = make_case(13, query_lens=(1, 4, 1))
     assert not tm.triton_usable(case.query, 32, 64)
-    assert torch.equal(tm.masked_attention(*case.args()), _run(case))
+    assert torch.equal(tm.masked_attention(*case.args()), _run(case, native=None))
     with pytest.raises(RuntimeError, match="CUDA query"):
         tm.masked_decode_attention(*case.args(), torch.tensor([0]))
 
@@ -625,6 +640,77 @@ def test_native_decode_refuses_bad_input(native_built):
     short = case.block_table[:, :1].contiguous()  # too few blocks for the sequence
     with pytest.raises(RuntimeError, match="needs more blocks"):
         _run(dataclasses.replace(case, block_table=short), native=True)
+
+
+# the prefill kernel's shapes: head sizes 64 / 128 / 256, block sizes a multiple of 16
+NATIVE_PREFILL_SHAPES = [s for s in NATIVE_SHAPES if s[2] in (64, 128, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", NATIVE_PREFILL_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("window", [-1, 1, 45])
+def test_native_prefill_matches_reference(native_built, dtype, shape, batch, window):
+    """Prompt, chunked-prefill and mixed steps through the C++ prefill kernel: the dense
+    reference's answer (poisoned hidden slots, shuffled padded tables) and the torch path's."""
+    h, kvh, hs, bs = shape
+    q_lens, ctx = BATCHES[batch]
+    case = make_case(
+        zlib.crc32(repr((shape, batch, window)).encode()) % 1000,
+        dtype=dtype,
+        heads=h,
+        kv_heads=kvh,
+        head_size=hs,
+        block_size=bs,
+        query_lens=tuple(q * 9 if q > 1 else q for q in q_lens),  # tiles of 16 and their tails
+        ctx_lens=ctx,
+    )
+    y = _run(case, native=True, sliding_window=window)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_err(y, dense_reference(case, sliding_window=window)) < TOL[dtype]
+    torch_path = _run(case, native=False, sliding_window=window)
+    assert rel_err(y, torch_path.double()) < max(TOL[dtype], 1e-5)
+
+
+def _fused(case):
+    """Token fusion's step: a subset of each request's queries (the last one kept) at their
+    positions, with the record deciding this step's keys too (``mask_step_tokens``)."""
+    keep_local = {0: [0], 1: [0, 3, 4, 8, 11, 20, 37], 2: [1, 4]}
+    qsl = case.query_start_loc.tolist()
+    rows, pos, qsl_new = [], [], [0]
+    for r, s in enumerate(case.seq_lens.tolist()):
+        n = qsl[r + 1] - qsl[r]
+        ks = [k for k in keep_local[r] if k < n - 1] + [n - 1]
+        rows += [qsl[r] + k for k in ks]
+        pos += [s - n + k for k in ks]
+        case.visible[r] = case.visible[r][ks]
+        qsl_new.append(qsl_new[-1] + len(ks))
+    case.query = case.query[rows]
+    case.query_start_loc = torch.tensor(qsl_new, dtype=torch.int32)
+    return case, torch.tensor(pos)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "nhd"])
+def test_query_positions_for_fused_rows_on_every_path(native_built, layout):
+    """The fused step on the C++ kernel (CPU layout) and on the torch path: the reference's
+    answer; the positions matter (the contiguous reading differs); out-of-order positions are
+    refused."""
+    case = make_case(
+        12, layout=layout, query_lens=(1, 40, 5), ctx_lens=(40, 20, 70), mask_step_tokens=True
+    )
+    case, qpos = _fused(case)
+    ref = dense_reference(case)
+    for native_flag in (True, False):
+        y = _run(case, mask_step_tokens=True, query_positions=qpos, native=native_flag)
+        assert torch.isfinite(y).all()
+        assert rel_err(y, ref) < TOL[torch.float32]
+    contiguous = _run(case, mask_step_tokens=True, native=True)
+    assert not torch.allclose(contiguous, y, atol=1e-3)
+    if layout == "cpu":
+        backwards = qpos.clone()
+        backwards[1], backwards[2] = qpos[2], qpos[1]
+        with pytest.raises(RuntimeError, match="ascend"):
+            _run(case, mask_step_tokens=True, query_positions=backwards, native=True)
 
 
 def test_native_off_is_refused_when_demanded(monkeypatch):

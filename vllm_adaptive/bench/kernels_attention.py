@@ -29,6 +29,15 @@ wall-clock runs taken in turns, one thread unless ``--threads``. Cells with ``ba
     vllm-adaptive kernels bench-attention --device cpu --contexts 512,2048,8192 \\
         --out docs/data/masked-attention-cpu.json
 
+``--prefill`` (CPU): one request whose ``--contexts`` tokens are all this step's queries (a
+prompt's prefill). vLLM's op and both paths with every key visible, then token fusion's step:
+a ``--masked`` share of the prompt's rows fused away (their slots hidden at the layer through
+the record, the kept queries at their own positions, ``mask_step_tokens``), which vLLM's op
+cannot express; its cost is what a fused layer pays against the stock layer.
+
+    vllm-adaptive kernels bench-attention --device cpu --prefill --contexts 512,2048,8000 \
+        --masked 0.05 --out docs/data/masked-prefill-cpu.json
+
 Writes JSON (``--out``: device, versions, every cell) and prints a markdown table.
 """
 
@@ -78,6 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="CPU: stream this many MiB (a few times the last-level cache) before each timed "
         "call, so that the KV cache comes from memory (default 0: warm, each call after an "
         "untimed one)",
+    )
+    p.add_argument(
+        "--prefill",
+        action="store_true",
+        help="CPU: time one prompt's prefill of each context (batches ignored) instead of decode",
     )
     p.add_argument("--max-tokens", type=int, default=1 << 16)
     p.add_argument("--out", type=Path, default=None)
@@ -189,6 +203,66 @@ def cpu_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
     return cell
 
 
+def prefill_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
+    """One prompt of ``ctx`` tokens, every one a query of this step (``batch`` is ignored)."""
+    kc, vc, meta, full, _ = make_paged(1, ctx, kvh, hs, bs, dtype, "cpu", "cpu", 0.0, args.layer)
+    meta["query_start_loc"] = torch.tensor([0, ctx], dtype=torch.int32)
+    q = torch.randn(ctx, nh, hs).to(dtype)
+    a = (meta["query_start_loc"], meta["seq_lens"], meta["block_table"], hs**-0.5)
+    sched = stock_cpu_scheduler_metadata(q, kc, a[0], a[1])
+    # token fusion's step: a --masked share of the rows fused away (never the last), their
+    # slots not written at this layer; the kept queries at their positions
+    g = torch.Generator().manual_seed(ctx)
+    fused = torch.rand(ctx, generator=g) < args.masked
+    fused[-1] = False
+    keep = (~fused).nonzero().flatten()
+    rec = full.clone()
+    pos = torch.arange(ctx)
+    table = meta["block_table"][0].long()
+    rec[table[pos[fused] // bs] * bs + pos[fused] % bs] = args.layer
+    qf = q[keep].contiguous()
+    af = (torch.tensor([0, keep.numel()], dtype=torch.int32), *a[1:])
+
+    def ours(native=False):
+        return masked_paged_attention(q, kc, vc, *a, full, args.layer, native=native)
+
+    def fused_step(native=False):
+        return masked_paged_attention(qf, kc, vc, *af, rec, args.layer, native=native,
+                                      mask_step_tokens=True, query_positions=keep)  # fmt: skip
+
+    def stock():
+        return stock_cpu_attention(q, kc, vc, *a, scheduler_metadata=sched)
+
+    ref = stock()
+    cell = {
+        "shape": f"{nh}x{kvh}x{hs}",
+        "batch": 1,
+        "context": ctx,
+        "fused_rows": int(fused.sum()),
+        "err_vs_vllm": rel(ours(), ref),
+    }
+    cell["ok"] = cell["err_vs_vllm"] < TOL[dtype]
+    fns = {
+        "ms_vllm_cpu_attn": stock,
+        "ms_torch_all_visible": ours,
+        "ms_torch_fused": fused_step,
+    }
+    if ensure_built():
+        cell["err_native_vs_vllm"] = rel(ours(True), ref)
+        cell["err_native_vs_torch_fused"] = rel(fused_step(True), fused_step())
+        cell["ok"] &= (
+            max(cell["err_native_vs_vllm"], cell["err_native_vs_torch_fused"]) < TOL[dtype]
+        )
+        fns["ms_native_all_visible"] = lambda: ours(True)
+        fns["ms_native_fused"] = lambda: fused_step(True)
+    evict = torch.zeros(args.cold_mib << 18) if args.cold_mib else None
+    cell.update(_cpu_times(fns, args.repeats, evict))
+    for k in ("torch_all_visible", "torch_fused", "native_all_visible", "native_fused"):
+        if f"ms_{k}" in cell:
+            cell[f"ratio_{k}_vs_vllm"] = cell[f"ms_{k}"] / cell["ms_vllm_cpu_attn"]
+    return cell
+
+
 def cuda_cell(args, nh, kvh, hs, batch, ctx, dtype, bs) -> dict:
     import torch.nn.functional as F
     import triton.testing
@@ -278,7 +352,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     if device == "cpu":
         torch.set_num_threads(args.threads)
-    cell_fn = cuda_cell if device == "cuda" else cpu_cell
+    if args.prefill and device != "cpu":
+        print("--prefill times the CPU kernels only", file=sys.stderr)
+        return 2
+    if args.prefill:
+        batches = [1]
+    cell_fn = cuda_cell if device == "cuda" else (prefill_cell if args.prefill else cpu_cell)
     cells = run(cell_fn, args, shapes, contexts, batches, dtype, bs)
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -290,6 +369,7 @@ def main(argv=None) -> int:
         "threads": args.threads if device == "cpu" else None,
         "cold_mib": args.cold_mib if device == "cpu" else None,
         "masked_fraction": args.masked,
+        "mode": "prefill" if args.prefill else "decode",
         "layer": args.layer,
         "seconds": round(time.time() - t0, 1),
         "argv": sys.argv[1:] if argv is None else argv,

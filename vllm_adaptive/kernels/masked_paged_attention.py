@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_adaptive.kernels.native import masked_decode_op, why_unavailable
+from vllm_adaptive.kernels.native import masked_decode_op, masked_prefill_op, why_unavailable
 
 LAYOUT_CPU = "cpu"
 LAYOUT_NHD = "nhd"
@@ -82,6 +82,10 @@ DEFAULT_MAX_ELEMS = 1 << 24
 # decode: K + V elements gathered per step of the online softmax (float32: 4 MiB); 2**19 to
 # 2**21 measured alike on this CPU, smaller chunks pay per-op overhead
 DEFAULT_CHUNK_ELEMS = 1 << 20
+# what the C++ prefill kernel is built for (other shapes take the torch path)
+NATIVE_PREFILL_HEAD_SIZES = (64, 128, 256)
+NATIVE_PREFILL_DTYPES = (torch.float32, torch.bfloat16)
+NATIVE_PREFILL_MAX_BLOCK = 256
 
 
 def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,6 +342,50 @@ def _native_decode(
     return out
 
 
+def _native_prefill(
+    op, query, key_cache, value_cache, query_start_loc, seq_lens, block_table, scale,
+    depth_record, layer, out, rows, query_positions, sliding_window, mask_step_tokens,
+) -> torch.Tensor:  # fmt: skip
+    """Any rows, prefill ones included: the C++ prefill kernel on the cache in place (tiles of
+    16 queries share each K/V block; it checks shapes, block ids and positions itself)."""
+    q = query if query.dtype == torch.float32 else query.float()
+    q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    o = out if direct else torch.empty(q.shape, dtype=torch.float32)
+    record = depth_record
+    if record is not None and (record.dtype != torch.int16 or not record.is_contiguous()):
+        record = record.to(torch.int16).contiguous()
+
+    def int32(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(torch.int32).contiguous()
+
+    op(
+        o,
+        q,
+        key_cache,
+        value_cache,
+        int32(query_start_loc),
+        int32(seq_lens),
+        block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32),
+        int32(query_positions),
+        torch.tensor(rows, dtype=torch.int32),
+        record,
+        layer,
+        scale,
+        sliding_window,
+        mask_step_tokens,
+    )
+    if not direct and len(rows) == seq_lens.shape[0]:
+        out.copy_(o)
+    elif not direct:
+        qsl = query_start_loc.tolist()
+        for r in rows:
+            out[qsl[r] : qsl[r + 1]] = o[qsl[r] : qsl[r + 1]]
+    return out
+
+
 def masked_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -377,9 +425,11 @@ def masked_paged_attention(
     ``sliding_window`` ``W > 0``: a query at position ``q`` sees keys at ``q - W + 1 .. q`` only,
     as vLLM's CPU attention op does with the same window (Gemma 3's local layers); -1: no window.
 
-    ``native``: decode rows of the CPU layout go to the C++ kernel (``kernels/native.py``) when
-    it is built (None, the default), always (True: an error where it cannot run) or never
-    (False: the torch path, which every other row takes).
+    ``native``: rows of the CPU layout go to the C++ kernels (``kernels/native.py``) when they
+    are built (None, the default), always (True: an error where they cannot run) or never
+    (False: the torch path). Decode rows take the decode kernel; a step with prefill rows takes
+    the prefill kernel for every row where its shape is built (head size 64 / 128 / 256, block
+    size a multiple of 16 up to 256, float32 or bfloat16 cache), else the torch path for them.
     """
     if sliding_window == 0 or sliding_window < -1:
         raise ValueError(f"sliding_window must be -1 (none) or positive, got {sliding_window}")
@@ -410,20 +460,43 @@ def masked_paged_attention(
             )  # fmt: skip
     k, _ = logical_kv(key_cache, value_cache, layout)
     _check(query, k, block_table, seq_lens, query_start_loc, depth_record)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    rows = list(range(len(lens))) if rows is None else list(rows)
+    for r in rows:
+        if qsl[r + 1] - qsl[r] > lens[r]:
+            raise ValueError(
+                f"request {r}: {qsl[r + 1] - qsl[r]} query tokens but seq_len {lens[r]}"
+            )
+    if (
+        native is not False
+        and layout == LAYOUT_CPU
+        and query.device.type == "cpu"
+        and query.shape[2] in NATIVE_PREFILL_HEAD_SIZES
+        and key_cache.dtype in NATIVE_PREFILL_DTYPES
+        and key_cache.shape[2] % 16 == 0
+        and key_cache.shape[2] <= NATIVE_PREFILL_MAX_BLOCK
+    ):
+        op = masked_prefill_op()
+        if op is None and native:
+            raise RuntimeError(
+                f"the native masked prefill kernel is unavailable: {why_unavailable()}"
+            )
+        if op is not None:  # prefill and mixed steps: every row on the C++ prefill kernel
+            return _native_prefill(
+                op, query, key_cache, value_cache, query_start_loc, seq_lens, block_table,
+                scale, depth_record, layer, out, rows, query_positions, sliding_window,
+                mask_step_tokens,
+            )  # fmt: skip
     nb, nkv, bs, hs = k.shape
     nh = query.shape[1]
     if out is None:
         out = torch.empty_like(query)
     dev = query.device
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    rows = list(range(len(lens))) if rows is None else list(rows)
     rec2d = None if depth_record is None else depth_record.view(nb, bs)
     decode, prefill = [], []
     for r in rows:
         n = qsl[r + 1] - qsl[r]
-        if n > lens[r]:
-            raise ValueError(f"request {r}: {n} query tokens but seq_len {lens[r]}")
         if n == 1:
             decode.append(r)
         elif n > 1:

@@ -1,12 +1,12 @@
 """The plugin's C++ CPU kernels, built on the machine that runs them.
 
-Only where no library kernel serves (``csrc/masked_decode.cpp``: decode attention over vLLM's
-CPU paged cache with the per-slot depth mask, which vLLM's CPU op cannot express). Built with
+Only where no library kernel serves (``csrc/``: decode and prefill attention over vLLM's CPU
+paged cache with the per-slot depth mask, which vLLM's CPU op cannot express). Built with
 torch's C++ extension loader for this CPU (``-march=native``) on first use, into
-``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the digest covers the source, the flags, torch's
+``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the digest covers the sources, the flags, torch's
 version and the CPU's ISA, so a cache shared between machines never loads a foreign build. The
-build takes tens of seconds once per machine; callers start it at engine start
-(:func:`ensure_built`), never inside a request.
+build takes 30-40 s once per machine (the two sources compile side by side); callers start it at
+engine start (:func:`ensure_built`), never inside a request.
 
 ``ADAPTIVE_NATIVE_KERNELS=off`` never builds them (the torch paths run); without a C++ compiler
 the build fails once, says why in a warning, and the torch paths run.
@@ -44,22 +44,30 @@ def enabled() -> bool:
     return value == "on"
 
 
-def build_digest(source: Path) -> str:
-    """What a build depends on: the source, the flags, torch and the CPU's ISA flags."""
-    h = hashlib.sha256(source.read_bytes())
+#: the library's translation units (one per op, compiled in parallel) and what they include
+SOURCES = ("masked_decode.cpp", "masked_prefill.cpp")
+HEADERS = ("masked_common.h",)
+
+
+def build_digest(files: list[Path]) -> str:
+    """What a build depends on: the sources and headers, the flags, torch and the CPU's ISA."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update(repr((CFLAGS, torch.__version__, sorted(cpu_flags()))).encode())
     return h.hexdigest()[:16]
 
 
-def _load(source: Path) -> None:
+def _load() -> None:
     from torch.utils.cpp_extension import load
 
-    name = f"adaptive_{source.stem}_{build_digest(source)}"
+    sources = [CSRC / s for s in SOURCES]
+    name = f"adaptive_masked_attention_{build_digest(sources + [CSRC / h for h in HEADERS])}"
     build_dir = cache_root() / "extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     load(
         name=name,
-        sources=[str(source)],
+        sources=[str(s) for s in sources],
         extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -82,7 +90,7 @@ def ensure_built() -> bool:
         else:
             t0 = time.perf_counter()
             try:
-                _load(CSRC / "masked_decode.cpp")
+                _load()
                 ok = True
                 _state["seconds"] = time.perf_counter() - t0
                 logger.info(
@@ -108,9 +116,22 @@ def masked_decode_op() -> Callable[..., None] | None:
     return getattr(torch.ops, NAMESPACE).masked_decode
 
 
+def masked_prefill_op() -> Callable[..., None] | None:
+    """``torch.ops.vllm_adaptive_native.masked_prefill`` when built, else None."""
+    if not ensure_built():
+        return None
+    return getattr(torch.ops, NAMESPACE).masked_prefill
+
+
 def why_unavailable() -> str | None:
     """Why the native kernels do not run here (None when they do, or were not asked for yet)."""
     return _state.get("why")  # type: ignore[return-value]
 
 
-__all__ = ["NATIVE_KERNELS", "ensure_built", "masked_decode_op", "why_unavailable"]
+__all__ = [
+    "NATIVE_KERNELS",
+    "ensure_built",
+    "masked_decode_op",
+    "masked_prefill_op",
+    "why_unavailable",
+]

@@ -1,226 +1,14 @@
-// Decode attention over vLLM's CPU paged KV cache with the per-slot depth mask.
-//
-// One query token per request (the query sits at seq_len - 1). The mask rule of
-// docs/masked-attention.md: at layer `layer` a cached key j < seq_len - 1 is visible iff
-// depth_record[slot(j)] > layer; the step's own key (j = seq_len - 1) is visible unless
-// mask_step_tokens, where the record decides for it too. A sliding window W > 0 keeps keys
-// seq_len - W .. seq_len - 1. Invisible slots are never read as V and their scores never enter
-// the softmax, so NaN / inf left in them cannot leak; rows with no visible key are zeros.
-//
-// Layout (vLLM CPU_ATTN, ISAs vec / vec16): per (block, kv head) K is stored transposed,
-// [head_size][block_size], and V as [block_size][head_size]; `key_cache` / `value_cache` are
-// the two chunks of the layer cache (strides of dims 0 and 1 taken from the tensors).
+// Decode attention with the per-slot depth mask (rule and layout: masked_common.h): one query
+// token per request, at seq_len - 1; the step's own key (j = seq_len - 1) is visible unless
+// mask_step_tokens. A sliding window W > 0 keeps keys seq_len - W .. seq_len - 1.
 //
 // Work is split over (request, kv head); each task reads its K/V blocks once for the G query
-// heads that share them (online softmax, fp32 accumulation). Why not vLLM's op: it has no
-// per-slot mask (docs/masked-attention.md has the measurements).
+// heads that share them (online softmax, fp32 accumulation). This file also declares the
+// library's ops (masked_prefill.cpp implements the other one).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
+#include "masked_common.h"
 
 namespace {
-
-
-// exp for x <= 0 from arithmetic and bit operations only, so that loops over it vectorize
-// (Cephes' expf polynomial after range reduction; relative error ~2e-7; x below -87 gives
-// ~1e-38, never used for a hidden slot, whose weight is set to 0 separately).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-template <typename T>
-inline float as_float(T x) {
-  return static_cast<float>(x);
-}
-
-// Vectors of 16 floats in GCC's vector extension: one zmm on AVX512, two ymm on AVX2.
-typedef float vec16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
-// exp_nonpositive on 16 lanes (the same polynomial; floor by truncation and a correction).
-inline vec16 exp16(vec16 x) {
-  const vec16 lo = vec16{} - 87.0f;
-  x = x < lo ? lo : x;
-  const vec16 t = x * 1.44269504088896341f + 0.5f;
-  vec16 n = __builtin_convertvector(__builtin_convertvector(t, i32x16), vec16);
-  n = n + __builtin_convertvector(n > t, vec16);  // truncation rounded a negative t up: -1
-  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline i32x16 lane_mask(const uint8_t* vis) {  // all ones where vis[i] != 0
-  u8x16 v;
-  std::memcpy(&v, vis, sizeof(v));
-  return __builtin_convertvector(v, i32x16) != 0;
-}
-
-template <typename T>
-inline vec16 load16(const T* p);
-template <>
-inline vec16 load16<float>(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <>
-inline vec16 load16<at::BFloat16>(const at::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;  // bf16 is float's top half
-  vec16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-
-// Which slots of block `b` (cache block `block`) the query sees, as the flag per slot `vis`
-// and the list of visible slots `rows`; returns how many. One rule for every path (header).
-inline int64_t block_visibility(uint8_t* vis, int32_t* rows, int64_t b, int64_t BS, int64_t len,
-                                int64_t first, const int16_t* record, int64_t block,
-                                int64_t layer, bool mask_step_tokens) {
-  const int64_t lo = b * BS;
-  // slots [lo, recorded_end) are decided by the record alone; the step's own key (len - 1) by
-  // the record only when mask_step_tokens
-  const int64_t recorded_end = mask_step_tokens ? len : len - 1;
-  if (lo >= first && lo + BS <= recorded_end) {  // an interior block: a loop that vectorizes
-    if (record == nullptr) {
-      std::memset(vis, 1, BS);
-    } else {
-      const int16_t* rec = record + block * BS;
-      for (int64_t i = 0; i < BS; ++i) vis[i] = rec[i] > layer;
-    }
-  } else {
-    for (int64_t i = 0; i < BS; ++i) {
-      const int64_t pos = lo + i;
-      bool ok = pos < len && pos >= first;
-      if (ok && record != nullptr && pos < recorded_end) ok = record[block * BS + i] > layer;
-      vis[i] = ok;
-    }
-  }
-  int64_t n = 0;
-  for (int64_t i = 0; i < BS; ++i) {
-    rows[n] = static_cast<int32_t>(i);
-    n += vis[i];
-  }
-  return n;
-}
-
-// Every cache line of a block: its slots are contiguous, but a request's blocks are scattered,
-// so the hardware prefetcher would start again at each one. (Measured on the Ice Lake Xeon:
-// 10-20% off at 8k tokens; at 512 tokens, where a hot loop finds the cache in L2, it costs
-// up to 15%.)
-template <typename T>
-inline void prefetch_block(const T* p, int64_t elements) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elements * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(c + off, 0, 3);
-}
-
-// One block for GT query heads: their scores against the block's K^T (each K vector loaded once
-// for the GT heads), the online-softmax update, and the visible V rows (each loaded once).
-// `qs` / `acc` / `m` / `l`: the GT heads' scaled queries, accumulators and softmax state.
-template <typename T, int ND, int GT>
-inline void update_group(const T* kb, const T* vb, int64_t BS, const uint8_t* vis,
-                         const int32_t* rows, int64_t nvis, const float* qs, float* acc, float* m,
-                         float* l, float* s, float* probs) {
-  constexpr int64_t D = 16 * ND;
-  // independent accumulators, so that FMA latency is hidden: P partial sums per head over the
-  // head dimension in the score loop (D is a multiple of 16), U sets of V accumulators
-  constexpr int P = GT >= 4 ? 2 : (GT >= 2 ? 4 : 8);
-  constexpr int U = GT >= 3 ? 2 : 4;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  const vec16 hidden = vec16{} + neg_inf;
-  vec16 vmax[GT];
-  for (int g = 0; g < GT; ++g) vmax[g] = hidden;
-  for (int64_t c = 0; c < BS; c += 16) {
-    vec16 a[GT][P] = {};
-    for (int64_t d = 0; d < D; d += P) {
-      for (int p = 0; p < P; ++p) {
-        const vec16 k = load16(kb + (d + p) * BS + c);
-        for (int g = 0; g < GT; ++g) a[g][p] += qs[g * D + d + p] * k;
-      }
-    }
-    const i32x16 lanes = lane_mask(vis + c);
-    for (int g = 0; g < GT; ++g) {
-      vec16 sum = a[g][0];
-      for (int p = 1; p < P; ++p) sum += a[g][p];
-      const vec16 sc = lanes ? sum : hidden;  // a NaN K in a hidden slot is dropped here
-      vmax[g] = vmax[g] > sc ? vmax[g] : sc;
-      std::memcpy(s + g * BS + c, &sc, sizeof(sc));
-    }
-  }
-  float corr[GT];
-  for (int g = 0; g < GT; ++g) {
-    float mb = neg_inf;
-    for (int i = 0; i < 16; ++i) mb = std::max(mb, vmax[g][i]);
-    const float mnew = std::max(m[g], mb);
-    corr[g] = m[g] == neg_inf ? 0.f : exp_nonpositive(m[g] - mnew);
-    vec16 vsum = {};
-    for (int64_t c = 0; c < BS; c += 16) {
-      const vec16 e = exp16(load16(s + g * BS + c) - mnew);
-      const vec16 pc = lane_mask(vis + c) ? e : vec16{};
-      vsum += pc;
-      std::memcpy(probs + g * BS + c, &pc, sizeof(pc));
-    }
-    float sum = 0.f;
-    for (int i = 0; i < 16; ++i) sum += vsum[i];
-    l[g] = l[g] * corr[g] + sum;
-    m[g] = mnew;
-  }
-  // V: each visible row read once (hidden rows never), 16 lanes of the head at a time
-  for (int c = 0; c < ND; ++c) {
-    vec16 av[U][GT] = {};
-    for (int g = 0; g < GT; ++g) av[0][g] = load16(acc + g * D + 16 * c) * corr[g];
-    int64_t k = 0;
-    for (; k + U <= nvis; k += U) {
-      for (int u = 0; u < U; ++u) {
-        const int32_t i = rows[k + u];
-        const vec16 v = load16(vb + i * D + 16 * c);
-        for (int g = 0; g < GT; ++g) av[u][g] += probs[g * BS + i] * v;
-      }
-    }
-    for (; k < nvis; ++k) {
-      const int32_t i = rows[k];
-      const vec16 v = load16(vb + i * D + 16 * c);
-      for (int g = 0; g < GT; ++g) av[0][g] += probs[g * BS + i] * v;
-    }
-    for (int g = 0; g < GT; ++g) {
-      for (int u = 1; u < U; ++u) av[0][g] += av[u][g];
-      std::memcpy(acc + g * D + 16 * c, &av[0][g], sizeof(vec16));
-    }
-  }
-}
 
 // The fast path: block size a multiple of 16, head size 16 * ND. One task per (request, KV head)
 // walks its blocks once; each block is updated for the G query heads in groups of GT (the
@@ -494,6 +282,11 @@ TORCH_LIBRARY(vllm_adaptive_native, m) {
       "masked_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor seq_lens, Tensor block_table, Tensor? depth_record, int layer, float scale, "
       "int sliding_window, bool mask_step_tokens) -> ()");
+  m.def(
+      "masked_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor query_start_loc, Tensor seq_lens, Tensor block_table, Tensor? query_positions, "
+      "Tensor? requests, Tensor? depth_record, int layer, float scale, int sliding_window, "
+      "bool mask_step_tokens) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) { m.impl("masked_decode", &masked_decode); }
