@@ -26,3 +26,12 @@ def test_all_implausible_is_an_error(monkeypatch) -> None:
     _fake(monkeypatch, [1.0, 1.05, 1.2])
     with pytest.raises(RuntimeError, match="too noisy"):
         engine_run.measure_batch(None, [[1]] * 4, 4, 11, 1)
+
+
+def test_long_prompt_with_agreeing_prefill_readings_is_kept(monkeypatch) -> None:
+    # a 2048-token prompt: prefill 6.1 / full 7.6 / prefill again 6.2 -> decode 1.5 s, 20% of
+    # the run, but the two prefill readings agree, so it is a reading, not a hiccup
+    _fake(monkeypatch, [6.1, 7.6, 6.2])
+    got = engine_run.measure_batch(None, [[1]], 1, 16, 1)
+    assert got["decode_tokens_per_s"] == pytest.approx(15 / 1.5)
+    assert "implausible_repeats" not in got
