@@ -309,14 +309,10 @@ def _check(query, k, block_table, seq_lens, query_start_loc, depth_record) -> No
         )
 
 
-def _native_decode(
-    op, query, key_cache, value_cache, seq_lens, block_table, scale, depth_record, layer, out,
-    sliding_window, mask_step_tokens,
-) -> torch.Tensor:  # fmt: skip
-    """Every row one decode token: the C++ kernel on the cache in place (it checks the shapes,
-    the block ids and the lengths itself), writing into ``out`` where it is float32 already."""
-    q = query if query.dtype == torch.float32 and query.is_contiguous() else query.float()
-    q = q.contiguous()
+def _native_buffers(query, out, depth_record):
+    """What the C++ kernels take: a contiguous float32 query, a float32 output (``out`` itself
+    where it is one: ``direct``), an int16 record."""
+    q = (query if query.dtype == torch.float32 else query.float()).contiguous()
     if out is None:
         out = torch.empty_like(query)
     direct = out.dtype == torch.float32 and out.is_contiguous()
@@ -324,6 +320,16 @@ def _native_decode(
     record = depth_record
     if record is not None and (record.dtype != torch.int16 or not record.is_contiguous()):
         record = record.to(torch.int16).contiguous()
+    return q, out, o, direct, record
+
+
+def _native_decode(
+    op, query, key_cache, value_cache, seq_lens, block_table, scale, depth_record, layer, out,
+    sliding_window, mask_step_tokens,
+) -> torch.Tensor:  # fmt: skip
+    """Every row one decode token: the C++ kernel on the cache in place (it checks the shapes,
+    the block ids and the lengths itself), writing into ``out`` where it is float32 already."""
+    q, out, o, direct, record = _native_buffers(query, out, depth_record)
     op(
         o,
         q,
@@ -347,16 +353,8 @@ def _native_prefill(
     depth_record, layer, out, rows, query_positions, sliding_window, mask_step_tokens,
 ) -> torch.Tensor:  # fmt: skip
     """Any rows, prefill ones included: the C++ prefill kernel on the cache in place (tiles of
-    16 queries share each K/V block; it checks shapes, block ids and positions itself)."""
-    q = query if query.dtype == torch.float32 else query.float()
-    q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(query)
-    direct = out.dtype == torch.float32 and out.is_contiguous()
-    o = out if direct else torch.empty(q.shape, dtype=torch.float32)
-    record = depth_record
-    if record is not None and (record.dtype != torch.int16 or not record.is_contiguous()):
-        record = record.to(torch.int16).contiguous()
+    64 queries share each K/V block; it checks shapes, block ids and positions itself)."""
+    q, out, o, direct, record = _native_buffers(query, out, depth_record)
 
     def int32(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(torch.int32).contiguous()
