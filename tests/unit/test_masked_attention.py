@@ -642,8 +642,12 @@ def test_native_decode_refuses_bad_input(native_built):
         _run(dataclasses.replace(case, block_table=short), native=True)
 
 
-# the prefill kernel's shapes: head sizes 64 / 128 / 256, block sizes a multiple of 16
-NATIVE_PREFILL_SHAPES = [s for s in NATIVE_SHAPES if s[2] in (64, 128, 256)]
+# the prefill kernel's shapes: head sizes 64 / 128 / 256, block sizes a multiple of 16; blocks
+# larger than the kernel's 32-slot chunk (vLLM's CPU default 128; 48, chunks of 16) are packed
+NATIVE_PREFILL_SHAPES = [s for s in NATIVE_SHAPES if s[2] in (64, 128, 256)] + [
+    (9, 3, 64, 128),
+    (4, 2, 128, 48),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

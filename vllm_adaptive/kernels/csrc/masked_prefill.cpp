@@ -15,10 +15,13 @@ namespace {
 // mask_step_tokens), depth_record[slot(j)] > layer.
 //
 // One task per (request, KV head, tile of kPrefillTile query rows): the tile's rows x G query
-// vectors share each K/V block while it is in L1. Blocks every row of the tile sees whole
-// (causally and by the window) are updated for its vectors kTileVectors at a time; diagonal
-// blocks the same way with each vector's own causal limit and window. Tasks are taken most
-// work first (a tile's work grows with its position), so the threads finish together.
+// vectors pass over each chunk of kChunk slots of a K/V block while it is in L1. Blocks every
+// row of the tile sees whole (causally and by the window) are updated for its vectors
+// kTileVectors at a time; diagonal blocks the same way with each vector's own causal limit and
+// window, from the first vector that reaches the chunk. Tasks are taken most work first (a
+// tile's work grows with its position), so the threads finish together. No software prefetch:
+// a block is reused by the whole tile, and a burst of prefetches for the next block stalled the
+// loop (5% of the kernel's time at 2048 tokens, profiled).
 
 constexpr int64_t kPrefillTile = 64;
 
@@ -37,39 +40,160 @@ inline void base_visibility(uint8_t* vis, int64_t b, int64_t BS, int64_t len, in
   }
 }
 
-inline int64_t visible_rows(int32_t* rows, const uint8_t* vis, int64_t BS) {
-  int64_t n = 0;
-  for (int64_t i = 0; i < BS; ++i) {
-    rows[n] = static_cast<int32_t>(i);
-    n += vis[i];
+constexpr int64_t kMaxBlockSize = 256;
+// Slots per chunk: a block is taken 32 slots at a time (16 when its size is not a multiple of
+// 32), so that a chunk's K and V (8 KB each at head size 64) stay in L1 while every vector of
+// the tile passes over them; a whole block of 128 slots would be served from L2.
+constexpr int64_t kChunk = 32;
+#ifdef __AVX512F__
+constexpr int kTileVectors = 8;  // 32 zmm: 16 score accumulators + K + broadcasts
+constexpr int kPvRegisters = 16;
+#else
+constexpr int kTileVectors = 4;  // 16 ymm pairs' worth on AVX2
+constexpr int kPvRegisters = 8;
+#endif
+
+// NV query vectors against one chunk of n = 16 * CH slots (`l`: each vector's softmax sum as 16
+// partial lanes, so that no chunk pays a horizontal sum): K^T rows `kt` (row stride ks), V
+// rows `vt` ([n][D]). Each K^T row is loaded once for all NV vectors' scores (NV x CH
+// accumulators); each V row once per pass of VP vectors whose accumulators stay in registers.
+// rows / nvis: the chunk's visible slots, or rows == nullptr when all n are visible (then no
+// lane mask and no indirection). CAUSAL: vector v also sees only the block's slots first[v] ..
+// last[v]; `slot0` is the chunk's first slot in its block.
+template <typename T, int ND, int NV, int CH, bool CAUSAL>
+inline void update_chunk(const T* kt, int64_t ks, const T* vt, const uint8_t* vis,
+                         const int32_t* rows, int64_t nvis, int32_t slot0, const float* qs,
+                         float* acc, float* m, float* l, float* probs,
+                         const int32_t* first, const int32_t* last) {
+  constexpr int64_t D = 16 * ND, n = 16 * CH;
+  static_assert(NV <= 16, "one lane per vector for the softmax corrections");
+  constexpr int VP = kPvRegisters / ND > 0 ? kPvRegisters / ND : 1;  // vectors per V pass
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const vec16 hidden = vec16{} + neg_inf;
+  vec16 a[NV][CH] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vec16 k[CH];
+    for (int h = 0; h < CH; ++h) k[h] = load16(kt + d * ks + 16 * h);
+    for (int v = 0; v < NV; ++v) {
+      const float qd = qs[v * D + d];
+      for (int h = 0; h < CH; ++h) a[v][h] += qd * k[h];
+    }
   }
-  return n;
+  // scores (hidden: -inf), each vector's new maximum, then all corrections in one exp16
+  vec16 mold = {}, mnew = {};
+  for (int h = 0; h < CH; ++h) {
+    i32x16 lanes = i32x16{} - 1;
+    if (rows != nullptr) lanes = lane_mask(vis + 16 * h);
+    const i32x16 slot =
+        i32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + (slot0 + 16 * h);
+    for (int v = 0; v < NV; ++v) {
+      i32x16 ok = lanes;
+      if constexpr (CAUSAL) ok &= (slot >= first[v]) & (slot <= last[v]);
+      a[v][h] = ok ? a[v][h] : hidden;  // a NaN K in a hidden slot is dropped here
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    vec16 vmax = a[v][0];
+    for (int h = 1; h < CH; ++h) vmax = vmax > a[v][h] ? vmax : a[v][h];
+    mold[v % 16] = m[v];
+    mnew[v % 16] = std::max(m[v], hmax_tree(vmax)[0]);
+  }
+  const i32x16 started = mold > hidden;  // vectors that saw a visible key before this chunk
+  const vec16 corrv = started ? exp16((started ? mold : mnew) - mnew) : vec16{};
+  float corr[NV];
+  for (int v = 0; v < NV; ++v) {
+    corr[v] = corrv[v % 16];
+    const vec16 mn = vec16{} + mnew[v % 16];
+    m[v] = mnew[v % 16];
+    vec16 vsum = {};
+    for (int h = 0; h < CH; ++h) {
+      const vec16 x = a[v][h];
+      const vec16 pc = x > hidden ? exp16(x - mn) : vec16{};
+      vsum += pc;
+      std::memcpy(probs + v * n + 16 * h, &pc, sizeof(pc));
+    }
+    const vec16 lv = load16(l + 16 * v) * corr[v] + vsum;  // lanes summed once, at the end
+    std::memcpy(l + 16 * v, &lv, sizeof(lv));
+  }
+  for (int v0 = 0; v0 < NV; v0 += VP) {  // V: each visible row read once per pass
+    constexpr int W = VP < NV ? VP : NV;
+    vec16 av[W][ND];
+#pragma GCC unroll 16
+    for (int v = 0; v < W; ++v)
+#pragma GCC unroll 16
+      for (int c = 0; c < ND; ++c) av[v][c] = load16(acc + (v0 + v) * D + 16 * c) * corr[v0 + v];
+    const float* p = probs + v0 * n;
+    const auto row = [&](int64_t i) {
+      const T* vr = vt + i * D;
+      vec16 vv[ND];
+      for (int c = 0; c < ND; ++c) vv[c] = load16(vr + 16 * c);
+      for (int v = 0; v < W; ++v) {
+        const float pv = p[v * n + i];
+        for (int c = 0; c < ND; ++c) av[v][c] += pv * vv[c];
+      }
+    };
+    if (rows == nullptr) {
+      for (int64_t i = 0; i < n; ++i) row(i);
+    } else {
+      for (int64_t k = 0; k < nvis; ++k) row(rows[k]);
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < W; ++v)
+#pragma GCC unroll 16
+      for (int c = 0; c < ND; ++c) std::memcpy(acc + (v0 + v) * D + 16 * c, &av[v][c], 64);
+  }
 }
 
-// Vectors v0 .. v1 of a tile against one block: groups of kTileVectors, the rest one by one.
+// Vectors v0 .. v1 of a tile against one block, a chunk at a time (every vector over a chunk
+// before the next chunk): groups of kTileVectors, the rest one by one. `last` ascends over the
+// vectors (rows ascend), so a causal chunk starts at the first vector that reaches it.
+template <typename T, int ND, int CH, bool CAUSAL>
+inline void chunks_update(const T* kb, const T* vb, int64_t BS, const uint8_t* vis, int64_t v0,
+                        int64_t v1, const float* qs, float* acc, float* m, float* l,
+                        float* probs, const int32_t* first, const int32_t* last) {
+  constexpr int64_t D = 16 * ND, n = 16 * CH;
+  int32_t rows[n];
+  T packed[D * n];  // the chunk's K^T rows side by side: strided rows (BS > n) thrash L1's sets
+  for (int64_t c0 = 0; c0 < BS; c0 += n) {
+    int64_t nvis = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      rows[nvis] = static_cast<int32_t>(i);
+      nvis += vis[c0 + i];
+    }
+    if (nvis == 0) continue;
+    const int32_t* r = nvis == n ? nullptr : rows;
+    const T* kt = kb + c0;
+    int64_t ks = BS;
+    if (BS > n && v1 - v0 > kTileVectors) {
+      for (int64_t d = 0; d < D; ++d) std::memcpy(packed + d * n, kb + d * BS + c0, n * sizeof(T));
+      kt = packed;
+      ks = n;
+    }
+    const T* vt = vb + c0 * D;
+    int64_t v = v0;
+    if constexpr (CAUSAL)
+      while (v < v1 && last[v] < c0) ++v;
+    for (; v + kTileVectors <= v1; v += kTileVectors)
+      update_chunk<T, ND, kTileVectors, CH, CAUSAL>(
+          kt, ks, vt, vis + c0, r, nvis, static_cast<int32_t>(c0), qs + v * D, acc + v * D,
+          m + v, l + 16 * v, probs, CAUSAL ? first + v : nullptr, CAUSAL ? last + v : nullptr);
+    for (; v < v1; ++v)
+      update_chunk<T, ND, 1, CH, CAUSAL>(kt, ks, vt, vis + c0, r, nvis, static_cast<int32_t>(c0),
+                                         qs + v * D, acc + v * D, m + v, l + 16 * v, probs,
+                                         CAUSAL ? first + v : nullptr,
+                                         CAUSAL ? last + v : nullptr);
+  }
+}
+
 template <typename T, int ND, bool CAUSAL>
-inline void tile_update(const T* kb, const T* vb, int64_t BS, const uint8_t* vis,
-                        const int32_t* rows, int64_t nvis, int64_t v0, int64_t v1,
-                        const float* qs, float* acc, float* m, float* l, float* s, float* probs,
-                        const int32_t* first, const int32_t* last) {
-  constexpr int64_t D = 16 * ND;
-  int64_t v = v0;
-  for (; v + kTileVectors <= v1; v += kTileVectors) {
-    const int32_t* f = CAUSAL ? first + v : nullptr;
-    const int32_t* t = CAUSAL ? last + v : nullptr;
-    if (BS % 32 == 0)
-      update_tile<T, ND, kTileVectors, 2, CAUSAL>(kb, vb, BS, vis, rows, nvis, qs + v * D,
-                                                  acc + v * D, m + v, l + v, s, probs, f, t);
-    else
-      update_tile<T, ND, kTileVectors, 1, CAUSAL>(kb, vb, BS, vis, rows, nvis, qs + v * D,
-                                                  acc + v * D, m + v, l + v, s, probs, f, t);
-  }
-  for (; v < v1; ++v) {
-    const int32_t* f = CAUSAL ? first + v : nullptr;
-    const int32_t* t = CAUSAL ? last + v : nullptr;
-    update_tile<T, ND, 1, 1, CAUSAL>(kb, vb, BS, vis, rows, nvis, qs + v * D, acc + v * D, m + v,
-                                     l + v, s, probs, f, t);
-  }
+inline void block_update(const T* kb, const T* vb, int64_t BS, const uint8_t* vis, int64_t v0,
+                         int64_t v1, const float* qs, float* acc, float* m, float* l,
+                         float* probs, const int32_t* first, const int32_t* last) {
+  if (BS % kChunk == 0)
+    chunks_update<T, ND, kChunk / 16, CAUSAL>(kb, vb, BS, vis, v0, v1, qs, acc, m, l, probs,
+                                              first, last);
+  else
+    chunks_update<T, ND, 1, CAUSAL>(kb, vb, BS, vis, v0, v1, qs, acc, m, l, probs, first, last);
 }
 
 template <typename T, int ND>
@@ -111,10 +235,8 @@ void masked_prefill_vec(at::Tensor& out, const at::Tensor& query, const at::Tens
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t NV = kPrefillTile * G;
-    const int64_t SW = kTileVectors * BS;
-    std::vector<float> qs(NV * D), acc(NV * D), m(NV), l(NV), s(SW), probs(SW);
+    std::vector<float> qs(NV * D), acc(NV * D), m(NV), l(NV * 16), probs(kTileVectors * kChunk);
     std::vector<uint8_t> base(BS), vis(BS);
-    std::vector<int32_t> brows(BS), rows(BS);
     std::vector<int64_t> pos(kPrefillTile);
     std::vector<int32_t> vfirst(NV), vlast(NV);
     for (int64_t t = next++; t < static_cast<int64_t>(tasks.size()); t = next++) {
@@ -130,7 +252,7 @@ void masked_prefill_vec(at::Tensor& out, const at::Tensor& query, const at::Tens
       const int64_t nv = nrow * G;
       std::fill(acc.begin(), acc.begin() + nv * D, 0.f);
       std::fill(m.begin(), m.begin() + nv, neg_inf);
-      std::fill(l.begin(), l.begin() + nv, 0.f);
+      std::fill(l.begin(), l.begin() + nv * 16, 0.f);
       const int64_t p_min = pos[0], p_max = pos[nrow - 1];
       const int64_t first = window > 0 ? std::max<int64_t>(0, p_min - window + 1) : 0;
       const int64_t shared_from = window > 0 ? p_max - window + 1 : 0;
@@ -138,23 +260,13 @@ void masked_prefill_vec(at::Tensor& out, const at::Tensor& query, const at::Tens
         const int64_t block = table[r * bts + b];
         TORCH_CHECK(block >= 0 && block < num_blocks, "request ", r, ": block id ", block,
                     " outside the cache's ", num_blocks, " blocks");
-        if (b < p_max / BS) {  // the next block into cache while this one is computed
-          const int64_t nxt = table[r * bts + b + 1];
-          if (nxt >= 0 && nxt < num_blocks) {
-            prefetch_block(kbase + nxt * ks0 + h * ks1, D * BS);
-            prefetch_block(vbase + nxt * vs0 + h * vs1, D * BS);
-          }
-        }
         base_visibility(base.data(), b, BS, len, ctx, record, block, layer, mask_step_tokens);
         const T* kb = kbase + block * ks0 + h * ks1;  // K^T: [D][BS]
         const T* vb = vbase + block * vs0 + h * vs1;  // V: [BS][D]
         const int64_t lo = b * BS;
         if (lo + BS - 1 <= p_min && lo >= shared_from) {  // every row sees the whole block
-          const int64_t nvis = visible_rows(brows.data(), base.data(), BS);
-          if (nvis == 0) continue;
-          tile_update<T, ND, false>(kb, vb, BS, base.data(), brows.data(), nvis, 0, nv, qs.data(),
-                                    acc.data(), m.data(), l.data(), s.data(), probs.data(),
-                                    nullptr, nullptr);
+          block_update<T, ND, false>(kb, vb, BS, base.data(), 0, nv, qs.data(), acc.data(),
+                                     m.data(), l.data(), probs.data(), nullptr, nullptr);
           continue;
         }
         // a diagonal block: each row its causal limit and window, the rows that see any of it
@@ -172,17 +284,16 @@ void masked_prefill_vec(at::Tensor& out, const at::Tensor& query, const at::Tens
         const int64_t lo_union = window > 0 ? std::max<int64_t>(0, pos[i_first] - window + 1) : 0;
         for (int64_t k = 0; k < BS; ++k)
           vis[k] = base[k] && lo + k <= p_max && lo + k >= lo_union;
-        const int64_t nvis = visible_rows(rows.data(), vis.data(), BS);
-        if (nvis == 0 || i_first == nrow) continue;
-        tile_update<T, ND, true>(kb, vb, BS, vis.data(), rows.data(), nvis, i_first * G, nv,
-                                 qs.data(), acc.data(), m.data(), l.data(), s.data(),
-                                 probs.data(), vfirst.data(), vlast.data());
+        if (i_first == nrow) continue;
+        block_update<T, ND, true>(kb, vb, BS, vis.data(), i_first * G, nv, qs.data(), acc.data(),
+                                  m.data(), l.data(), probs.data(), vfirst.data(), vlast.data());
       }
       for (int64_t i = 0; i < nrow; ++i) {
         float* oh = o + ((task.i0 + i) * H + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t v = i * G + g;
-          const float inv = l[v] > 0.f ? 1.f / l[v] : 0.f;
+          const float sum = hsum_tree(load16(l.data() + 16 * v));
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
           for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[v * D + d] * inv;
         }
       }
