@@ -142,6 +142,38 @@ inline vec16 load16<at::BFloat16>(const at::BFloat16* p) {
   return v;
 }
 
+// The checks both ops make on the arguments they share (a bad call is an error that names the
+// argument, never a read outside a tensor): query and out, the paged cache, the block table
+// (at least `requests` rows) and the record; returns the record's data (nullptr: no record).
+inline const int16_t* check_shared_args(const at::Tensor& out, const at::Tensor& query,
+                                        const char* query_rows, const at::Tensor& key_cache,
+                                        const at::Tensor& value_cache,
+                                        const at::Tensor& block_table, int64_t requests,
+                                        const std::optional<at::Tensor>& depth_record) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
+              "query must be contiguous float32 [", query_rows, ", heads, head_size]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "out must be contiguous float32 shaped like query");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key_cache / value_cache must be [blocks, kv_heads, block_size, head_size] alike");
+  const int64_t BS = key_cache.size(2), D = key_cache.size(3);
+  TORCH_CHECK(D == query.size(2), "head_size differs between query and cache");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  for (const at::Tensor* c : {&key_cache, &value_cache})
+    TORCH_CHECK(c->stride(3) == 1 && c->stride(2) == D,
+                "each (block, kv head) of the cache must be block_size x head_size contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1 && block_table.size(0) >= requests,
+              "block_table must be int32 [requests, max_blocks] with contiguous rows");
+  if (!depth_record.has_value()) return nullptr;
+  TORCH_CHECK(depth_record->scalar_type() == at::kShort && depth_record->is_contiguous() &&
+                  depth_record->numel() >= key_cache.size(0) * BS,
+              "depth_record must be contiguous int16 with a value per cache slot");
+  return depth_record->data_ptr<int16_t>();
+}
+
 // Which slots of block `b` (cache block `block`) the query sees, as the flag per slot `vis`
 // and the list of visible slots `rows`; returns how many. One rule for every path (header).
 inline int64_t block_visibility(uint8_t* vis, int32_t* rows, int64_t b, int64_t BS, int64_t len,

@@ -308,29 +308,15 @@ void masked_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k
                     const std::optional<at::Tensor>& requests,
                     const std::optional<at::Tensor>& depth_record, int64_t layer, double scale,
                     int64_t sliding_window, bool mask_step_tokens) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
-              "query must be contiguous float32 [tokens, heads, head_size]");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kFloat &&
-                  out.is_contiguous(),
-              "out must be contiguous float32 shaped like query");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "key_cache / value_cache must be [blocks, kv_heads, block_size, head_size] alike");
-  const int64_t BS = key_cache.size(2), D = key_cache.size(3);
-  TORCH_CHECK(D == query.size(2), "head_size differs between query and cache");
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "heads must be a multiple of kv heads");
-  for (const at::Tensor* c : {&key_cache, &value_cache})
-    TORCH_CHECK(c->stride(3) == 1 && c->stride(2) == D,
-                "each (block, kv head) of the cache must be block_size x head_size contiguous");
   const int64_t R = seq_lens.numel();
+  const int16_t* record = check_shared_args(out, query, "tokens", key_cache, value_cache,
+                                            block_table, R, depth_record);
+  const int64_t BS = key_cache.size(2), D = key_cache.size(3);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "seq_lens must be contiguous int32 [requests]");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
                   query_start_loc.numel() == R + 1,
               "query_start_loc must be contiguous int32 [requests + 1]");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
-                  block_table.stride(1) == 1 && block_table.size(0) >= R,
-              "block_table must be int32 [requests, max_blocks] with contiguous rows");
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qpos = nullptr;
@@ -366,13 +352,6 @@ void masked_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k
         TORCH_CHECK(qpos[i] >= 0 && qpos[i] < lens[r] && (i == qsl[r] || qpos[i] > qpos[i - 1]),
                     "request ", r, ": query_positions must ascend within 0..seq_len - 1");
     }
-  }
-  const int16_t* record = nullptr;
-  if (depth_record.has_value()) {
-    TORCH_CHECK(depth_record->scalar_type() == at::kShort && depth_record->is_contiguous() &&
-                    depth_record->numel() >= key_cache.size(0) * BS,
-                "depth_record must be contiguous int16 with a value per cache slot");
-    record = depth_record->data_ptr<int16_t>();
   }
   TORCH_CHECK(BS % 16 == 0 && BS <= kMaxBlockSize,
               "the native prefill kernel needs a block size that is a multiple of 16, at most ",
