@@ -5,12 +5,14 @@ that exists here is checked against the plain-torch reference)."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
 import torch
 
-from vllm_adaptive.kernels import autotune
+from vllm_adaptive.environment import cpu_flags
+from vllm_adaptive.kernels import autotune, native
 from vllm_adaptive.kernels.float_linear import (
     Fp16Weight,
     W8A8Weight,
@@ -44,6 +46,47 @@ def test_fp16_kernels_compute_the_fp16_weight_product(m: int) -> None:
         assert (y.double() - ref).abs().max() < 1e-5, name
     # and not the float32 weight's product (the test would not see a kernel ignoring fp16)
     assert (x.double() @ w.double().t() - ref).abs().max() > 1e-6
+
+
+def _native_fp16():
+    """The C++ fp16 linear; it builds wherever a compiler and F16C / FMA exist (a failed build
+    fails here, it is not skipped)."""
+    if shutil.which("c++") is None or not {"f16c", "fma"} <= cpu_flags():
+        pytest.skip("no C++ compiler or no F16C / FMA: the native fp16 kernel cannot run here")
+    ops = native.fp16_linear_ops()
+    assert ops is not None, native.why_unavailable()
+    return ops
+
+
+@pytest.mark.parametrize("n, k", [(192, 320), (45, 64), (1, 16), (97, 1536)])
+def test_native_fp16_kernel_computes_the_fp16_product_at_any_shape(n: int, k: int) -> None:
+    """Output columns that are not a whole block of 32, row counts around the kernel's row
+    groups (8 on AVX512, 2 on AVX2), K from one vector to the down projection's."""
+    pack, lin = _native_fp16()
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).half()
+    packed = pack(w)
+    assert packed.shape == ((n + 31) // 32, k, 32)
+    for m in (1, 2, 3, 5, 8, 9, 16, 19):
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ w.double().t()
+        y = lin(x, packed, n)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+    assert lin(torch.empty(0, k), packed, n).shape == (0, n)
+
+
+def test_native_fp16_kernel_refuses_what_it_was_not_packed_for() -> None:
+    pack, lin = _native_fp16()
+    packed = pack(torch.randn(40, 64).half())
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        lin(torch.randn(2, 32), packed, 40)
+    with pytest.raises(RuntimeError, match="out_features 70 does not match 2 blocks"):
+        lin(torch.randn(2, 64), packed, 70)
+    with pytest.raises(RuntimeError, match="float32"):
+        lin(torch.randn(2, 64).double(), packed, 40)
+    with pytest.raises(RuntimeError, match="2-D float16"):
+        pack(torch.randn(40, 64))
 
 
 def test_fp16_representability_is_counted() -> None:

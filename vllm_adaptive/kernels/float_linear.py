@@ -8,8 +8,11 @@ shape and token count by :mod:`vllm_adaptive.kernels.autotune`, measured on the 
   weight, called through ``_quantized::wrapped_fbgemm_linear_fp16_weight``: the op inductor
   lowers fp16 weights to, the same FBGEMM call as ``quantized::linear_dynamic_fp16`` and bit-
   identical to it, but on a plain packed tensor rather than a TorchScript object, 45 us less
-  per call at 576 x 576 and one token on an AVX2 EPYC: 24 against 69 us) and ``reference``
-  (``F.linear`` on the weight cast back to float32: the same products, any machine).
+  per call at 576 x 576 and one token on an AVX2 EPYC: 24 against 69 us), ``native_fp16``
+  (the plugin's C++ kernel, ``csrc/fp16_linear.cpp``: one pass over the weight for up to 8 rows
+  with prefetch, on 2 MiB pages; it streams the weights near the core's bandwidth where FBGEMM
+  slows down as rows are added) and ``reference`` (``F.linear`` on the weight cast back to
+  float32: the same products, any machine).
 - :class:`W8A8Weight`: int8 weights, one symmetric scale per output row, and int8 activations
   with one symmetric scale per *token* computed at run time (SmoothQuant's W8A8 with dynamic
   per-token activation scales). An optional smoothing vector ``s`` (SmoothQuant section 4:
@@ -51,9 +54,10 @@ import torch
 import torch.nn.functional as F
 
 from vllm_adaptive.environment import cpu_flags
+from vllm_adaptive.kernels import native
 from vllm_adaptive.kernels.library import vllm_ops
 
-FP16_KERNELS = ("fbgemm_fp16", "reference")
+FP16_KERNELS = ("fbgemm_fp16", "native_fp16", "reference")
 W8A8_KERNELS = ("onednn", "fbgemm_rows", "reference")
 W8A16_KERNELS = ("onednn", "reference")
 
@@ -109,6 +113,11 @@ def onednn_int8_available() -> bool:
     return vllm_ops() is not None and _registered("onednn_scaled_mm")
 
 
+def native_fp16_ops():
+    """The plugin's C++ fp16 linear (``(pack, linear)``), None where it is not built here."""
+    return native.fp16_linear_ops()
+
+
 @functools.cache
 def _wrapped_fbgemm_fp16() -> bool:
     """Whether torch has the tensor-packed FBGEMM fp16 ops (the TorchScript-object ones else)."""
@@ -157,11 +166,18 @@ class Fp16Weight(KernelLayouts):
 
     def kernels(self) -> tuple[str, ...]:
         """Kernels dispatch may pick; ``reference`` (a float32 copy of the rounded weight, twice
-        the memory) only where FBGEMM is missing. Every kernel stays callable by ``bind``."""
-        return ("fbgemm_fp16",) if fbgemm_available() else ("reference",)
+        the memory) only where FBGEMM is missing; ``native_fp16`` where the plugin's C++
+        kernels are built (F16C / FMA CPUs). Every kernel stays callable by ``bind``."""
+        first = ("fbgemm_fp16",) if fbgemm_available() else ("reference",)
+        return first + (("native_fp16",) if native_fp16_ops() is not None else ())
 
     def prepare(self, kernel: str) -> None:
-        if kernel == "fbgemm_fp16" and "fbgemm_fp16" not in self.prepared:
+        if kernel == "native_fp16" and kernel not in self.prepared:
+            ops = native_fp16_ops()
+            if ops is None:
+                raise RuntimeError(f"native_fp16 does not run here: {native.why_unavailable()}")
+            self.prepared[kernel] = ops[0](self.weight)
+        elif kernel == "fbgemm_fp16" and "fbgemm_fp16" not in self.prepared:
             w = self.weight.float()
             self.prepared["fbgemm_fp16"] = (
                 torch.ops._quantized.wrapped_fbgemm_pack_gemm_matrix_fp16(w)
@@ -181,6 +197,9 @@ class Fp16Weight(KernelLayouts):
                 return lambda x: op(x, packed, None, n)
             op = torch.ops.quantized.linear_dynamic_fp16
             return lambda x: op(x, packed)
+        if kernel == "native_fp16":
+            packed, op, n = self.prepared[kernel], native_fp16_ops()[1], self.shape[0]
+            return lambda x: op(x, packed, n)
         if kernel == "reference":
             w = self.prepared[kernel]
             return lambda x: F.linear(x, w)
@@ -188,7 +207,7 @@ class Fp16Weight(KernelLayouts):
 
     def resident_bytes(self) -> int:
         """The fp16 tensor plus the kernel layouts built so far."""
-        extra = {"fbgemm_fp16": 2, "reference": 4}
+        extra = {"fbgemm_fp16": 2, "native_fp16": 2, "reference": 4}
         return self.nbytes + sum(
             b * self.weight.numel() for k, b in extra.items() if k in self.prepared
         )

@@ -1,12 +1,14 @@
 """The plugin's C++ CPU kernels, built on the machine that runs them.
 
-Only where no library kernel serves (``csrc/``: decode and prefill attention over vLLM's CPU
-paged cache with the per-slot depth mask, which vLLM's CPU op cannot express). Built with
-torch's C++ extension loader for this CPU (``-march=native``) on first use, into
-``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the digest covers the sources, the flags, torch's
-version and the CPU's ISA, so a cache shared between machines never loads a foreign build. The
-build takes 30-40 s once per machine (the two sources compile side by side); callers start it at
-engine start (:func:`ensure_built`), never inside a request.
+Only where no library kernel serves (``csrc/``): decode and prefill attention over vLLM's CPU
+paged cache with the per-slot depth mask, which vLLM's CPU op cannot express; and the fp16
+gear's linear at a few rows, where FBGEMM's fp16 GEMM streams the weights slower than the core
+can (docs/float32-kernels.md). Built with torch's C++ extension loader for this CPU
+(``-march=native``) on first use, into ``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the
+digest covers the sources, the flags, torch's version and the CPU's ISA, so a cache shared
+between machines never loads a foreign build. The build takes about a minute once per machine
+(the sources compile side by side); callers start it at engine start (:func:`ensure_built`),
+never inside a request.
 
 ``ADAPTIVE_NATIVE_KERNELS=off`` never builds them (the torch paths run); without a C++ compiler
 the build fails once, says why in a warning, and the torch paths run.
@@ -45,7 +47,7 @@ def enabled() -> bool:
 
 
 #: the library's translation units (one per op, compiled in parallel) and what they include
-SOURCES = ("masked_decode.cpp", "masked_prefill.cpp")
+SOURCES = ("masked_decode.cpp", "masked_prefill.cpp", "fp16_linear.cpp")
 HEADERS = ("masked_common.h",)
 
 
@@ -62,7 +64,7 @@ def _load() -> None:
     from torch.utils.cpp_extension import load
 
     sources = [CSRC / s for s in SOURCES]
-    name = f"adaptive_masked_attention_{build_digest(sources + [CSRC / h for h in HEADERS])}"
+    name = f"adaptive_native_{build_digest(sources + [CSRC / h for h in HEADERS])}"
     build_dir = cache_root() / "extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     load(
@@ -101,8 +103,8 @@ def ensure_built() -> bool:
             except Exception as err:  # compiler missing or failing: the torch path still runs
                 _state["why"] = f"{type(err).__name__}: {str(err)[-800:]}"
                 logger.warning(
-                    "vllm-adaptive: the native masked decode kernel could not be built, masked "
-                    "attention runs its torch path (slower): %s",
+                    "vllm-adaptive: the native kernels could not be built, masked attention "
+                    "runs its torch path and the fp16 gear FBGEMM's (slower): %s",
                     _state["why"],
                 )
         _state["ok"] = ok
@@ -123,6 +125,15 @@ def masked_prefill_op() -> Callable[..., None] | None:
     return getattr(torch.ops, NAMESPACE).masked_prefill
 
 
+def fp16_linear_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """``(fp16_pack, fp16_linear)`` from ``torch.ops.vllm_adaptive_native`` where built and the
+    CPU has F16C and FMA (what the kernel is compiled for), else None."""
+    if not {"f16c", "fma"} <= cpu_flags() or not ensure_built():
+        return None
+    ops = getattr(torch.ops, NAMESPACE)
+    return ops.fp16_pack, ops.fp16_linear
+
+
 def why_unavailable() -> str | None:
     """Why the native kernels do not run here (None when they do, or were not asked for yet)."""
     return _state.get("why")  # type: ignore[return-value]
@@ -131,6 +142,7 @@ def why_unavailable() -> str | None:
 __all__ = [
     "NATIVE_KERNELS",
     "ensure_built",
+    "fp16_linear_ops",
     "masked_decode_op",
     "masked_prefill_op",
     "why_unavailable",
