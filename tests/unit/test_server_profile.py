@@ -73,6 +73,8 @@ def test_too_few_steps_is_an_error_not_a_figure():
 def test_groups():
     assert group_of("quantized::linear_dynamic_fp16") == "GEMM"
     assert group_of("vllm_adaptive::geared_linear") == "plugin custom ops (own Python)"
+    assert group_of("vllm_adaptive_native::fp16_linear") == "GEMM"
+    assert group_of("vllm_adaptive_native::masked_decode") == "attention"
     assert group_of("Torch-Compiled Region: 0/0") == "compiled graph (inductor kernels)"
     assert group_of("aten::add") == "other ops"
 

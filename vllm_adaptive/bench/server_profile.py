@@ -39,9 +39,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "int8pack_mm",
             "fbgemm",
             "mkldnn",
+            "native::fp16_linear",
         ),
     ),
-    ("attention", ("attention", "paged", "attn", "reshape_and_cache")),
+    ("attention", ("attention", "paged", "attn", "reshape_and_cache", "native::masked_")),
     ("compiled graph (inductor kernels)", ("torch-compiled region", "compiledfunction")),
     ("sampling ops", ("topk", "sort", "argmax", "softmax", "multinomial", "exponential")),
 )
