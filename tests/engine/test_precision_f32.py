@@ -123,6 +123,7 @@ def test_head_is_geared_and_dispatch_is_measured(llm) -> None:
     assert "fp16:49152x576" in keys  # the head
     assert {"w8a8:960x576", "w8a8:3072x576", "w8a8:576x1536"} <= keys
     assert all(
-        k in ("fbgemm_fp16", "reference") for k in info["dispatch"]["fp16:49152x576"].values()
+        k in ("fbgemm_fp16", "native_fp16", "reference")
+        for k in info["dispatch"]["fp16:49152x576"].values()
     )
     assert info["machine"]["isa"]
