@@ -113,11 +113,6 @@ def onednn_int8_available() -> bool:
     return vllm_ops() is not None and _registered("onednn_scaled_mm")
 
 
-def native_fp16_ops():
-    """The plugin's C++ fp16 linear (``(pack, linear)``), None where it is not built here."""
-    return native.fp16_linear_ops()
-
-
 @functools.cache
 def _wrapped_fbgemm_fp16() -> bool:
     """Whether torch has the tensor-packed FBGEMM fp16 ops (the TorchScript-object ones else)."""
@@ -169,11 +164,11 @@ class Fp16Weight(KernelLayouts):
         the memory) only where FBGEMM is missing; ``native_fp16`` where the plugin's C++
         kernels are built (F16C / FMA CPUs). Every kernel stays callable by ``bind``."""
         first = ("fbgemm_fp16",) if fbgemm_available() else ("reference",)
-        return first + (("native_fp16",) if native_fp16_ops() is not None else ())
+        return first + (("native_fp16",) if native.fp16_linear_ops() is not None else ())
 
     def prepare(self, kernel: str) -> None:
         if kernel == "native_fp16" and kernel not in self.prepared:
-            ops = native_fp16_ops()
+            ops = native.fp16_linear_ops()
             if ops is None:
                 raise RuntimeError(f"native_fp16 does not run here: {native.why_unavailable()}")
             self.prepared[kernel] = ops[0](self.weight)
@@ -198,7 +193,7 @@ class Fp16Weight(KernelLayouts):
             op = torch.ops.quantized.linear_dynamic_fp16
             return lambda x: op(x, packed)
         if kernel == "native_fp16":
-            packed, op, n = self.prepared[kernel], native_fp16_ops()[1], self.shape[0]
+            packed, op, n = self.prepared[kernel], native.fp16_linear_ops()[1], self.shape[0]
             return lambda x: op(x, packed, n)
         if kernel == "reference":
             w = self.prepared[kernel]
