@@ -120,6 +120,13 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 # groups, so it names all three of the plugin's entry points.
 export VLLM_PLUGINS=${VLLM_PLUGINS-vllm_adaptive,vllm_adaptive_metrics,vllm_adaptive_routes}
 
+# The plugin's C++ kernels for this CPU, built once per machine before vLLM starts (about a
+# minute the first time), not inside the engine's start where vLLM would wait on them; a build
+# that fails leaves the engine on its torch / FBGEMM paths (the command says why).
+if [ -n "$VLLM_PLUGINS" ]; then
+    "$root/.venv/bin/vllm-adaptive" kernels build >/dev/null || true
+fi
+
 cmd=("$root/.venv/bin/vllm" serve "$dir" --served-model-name "$model"
      ${dtype_args[@]+"${dtype_args[@]}"} --additional-config "$config"
      ${spec_args[@]+"${spec_args[@]}"} "$@")

@@ -140,6 +140,29 @@ _KERNEL_BENCHES = {
 }
 
 
+def _cmd_kernels_build(args: argparse.Namespace) -> int:
+    import json
+
+    from vllm_adaptive.kernels import native
+
+    if native.enabled() and not native.is_cached():
+        print(
+            "vllm-adaptive: building the C++ kernels for this CPU (once per machine, about a "
+            "minute)",
+            file=sys.stderr,
+            flush=True,
+        )
+    ok = native.ensure_built()
+    print(json.dumps(native.build_report()))
+    if not ok and native.enabled():
+        print(
+            "vllm-adaptive: the native kernels did not build; engines run the torch paths "
+            f"and FBGEMM instead: {native.why_unavailable()}",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def _cmd_kernels_dispatch(args: argparse.Namespace) -> int:
     import json
 
@@ -245,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     kmeasure.add_argument("--json", metavar="OUT.json", help="write the measurements here")
     kmeasure.add_argument("--quiet", action="store_true", help="only the table")
     kmeasure.set_defaults(func=_cmd_kernels_measure)
+    kbuild = kernels_sub.add_parser(
+        "build",
+        help="build the plugin's C++ kernels for this CPU now (once per machine, about a "
+        "minute), so that the first engine start does not",
+    )
+    kbuild.set_defaults(func=_cmd_kernels_build)
     kdispatch = kernels_sub.add_parser(
         "dispatch", help="the kernel choices engines measured on this machine (cached table)"
     )

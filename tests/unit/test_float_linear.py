@@ -5,7 +5,10 @@ that exists here is checked against the plain-torch reference)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -87,6 +90,29 @@ def test_native_fp16_kernel_refuses_what_it_was_not_packed_for() -> None:
         lin(torch.randn(2, 64).double(), packed, 40)
     with pytest.raises(RuntimeError, match="2-D float16"):
         pack(torch.randn(40, 64))
+
+
+def test_kernels_build_command_builds_ahead_of_the_engine(capsys) -> None:
+    """`vllm-adaptive kernels build` (what serve.sh runs before vLLM) leaves the build an engine
+    then only loads; turned off, it says so and builds nothing."""
+    from vllm_adaptive.cli import main
+
+    _native_fp16()
+    assert main(["kernels", "build"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["built"] is True and report["why_not"] is None
+    assert native.is_cached()
+    env = {**os.environ, native.NATIVE_KERNELS: "off"}
+    off = subprocess.run(
+        [sys.executable, "-m", "vllm_adaptive.cli", "kernels", "build"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(off.stdout)
+    assert report == {**report, "built": False, "why_not": "ADAPTIVE_NATIVE_KERNELS=off"}
 
 
 def test_fp16_representability_is_counted() -> None:

@@ -7,8 +7,9 @@ can (docs/float32-kernels.md). Built with torch's C++ extension loader for this 
 (``-march=native``) on first use, into ``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the
 digest covers the sources, the flags, torch's version and the CPU's ISA, so a cache shared
 between machines never loads a foreign build. The build takes about a minute once per machine
-(the sources compile side by side); callers start it at engine start (:func:`ensure_built`),
-never inside a request.
+(the sources compile side by side): ``vllm-adaptive kernels build`` (which ``scripts/serve.sh``
+runs before it starts vLLM) does it ahead of time; otherwise engines start it at engine start
+(:func:`ensure_built`), never inside a request.
 
 ``ADAPTIVE_NATIVE_KERNELS=off`` never builds them (the torch paths run); without a C++ compiler
 the build fails once, says why in a warning, and the torch paths run.
@@ -60,16 +61,27 @@ def build_digest(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def _build_name() -> tuple[str, Path]:
+    """The library's name (its digest) and its build directory on this machine."""
+    files = [CSRC / s for s in SOURCES] + [CSRC / h for h in HEADERS]
+    name = f"adaptive_native_{build_digest(files)}"
+    return name, cache_root() / "extensions" / name
+
+
+def is_cached() -> bool:
+    """Whether this machine already has the build these sources need (loading it is quick)."""
+    name, build_dir = _build_name()
+    return (build_dir / f"{name}.so").exists()
+
+
 def _load() -> None:
     from torch.utils.cpp_extension import load
 
-    sources = [CSRC / s for s in SOURCES]
-    name = f"adaptive_native_{build_digest(sources + [CSRC / h for h in HEADERS])}"
-    build_dir = cache_root() / "extensions" / name
+    name, build_dir = _build_name()
     build_dir.mkdir(parents=True, exist_ok=True)
     load(
         name=name,
-        sources=[str(s) for s in sources],
+        sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -134,6 +146,16 @@ def fp16_linear_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.
     return ops.fp16_pack, ops.fp16_linear
 
 
+def build_report() -> dict[str, object]:
+    """Where the build stands: built (and the seconds it took in this process), or why not."""
+    return {
+        "built": bool(_state.get("ok")),
+        "seconds": round(float(_state.get("seconds", 0.0)), 1),
+        "cache": str(cache_root() / "extensions"),
+        "why_not": _state.get("why"),
+    }
+
+
 def why_unavailable() -> str | None:
     """Why the native kernels do not run here (None when they do, or were not asked for yet)."""
     return _state.get("why")  # type: ignore[return-value]
@@ -141,8 +163,10 @@ def why_unavailable() -> str | None:
 
 __all__ = [
     "NATIVE_KERNELS",
+    "build_report",
     "ensure_built",
     "fp16_linear_ops",
+    "is_cached",
     "masked_decode_op",
     "masked_prefill_op",
     "why_unavailable",
