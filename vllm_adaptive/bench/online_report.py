@@ -61,10 +61,10 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
                 for k in (*KEPT, *METRICS_KEPT)
                 if any(r.get(k) is not None for r in runs)
             }
-            med["output_throughput_range"] = [
-                min(r["output_throughput"] for r in runs),
-                max(r["output_throughput"] for r in runs),
-            ]
+            for key in ("output_throughput", "median_ttft_ms"):
+                got = [r[key] for r in runs if r.get(key) is not None]
+                if got:
+                    med[f"{key}_range"] = [min(got), max(got)]
             med["failed_total"] = sum(r.get("failed") or 0 for r in runs)
             per_c[str(c)] = med
         rows[s["label"]] = per_c
@@ -197,18 +197,27 @@ def _online_markdown(report: dict[str, Any]) -> str:
 
 
 def _range_err(
-    summ: dict[str, Any], labels: list[str], c: str, vals: list[float]
+    summ: dict[str, Any], labels: list[str], c: str, vals: list[float], key: str
 ) -> list[list[float]]:
     """Error bars from each median to its rounds' minimum and maximum."""
     lo, hi = [], []
     for lb, v in zip(labels, vals, strict=True):
-        r = summ[lb].get(c, {}).get("output_throughput_range", [v, v])
+        r = summ[lb].get(c, {}).get(f"{key}_range", [v, v])
         lo.append(max(v - r[0], 0.0))
         hi.append(max(r[1] - v, 0.0))
     return [lo, hi]
 
 
+#: (summary key, x label) of the plot's rows: what a user waits for, per concurrency
+PLOT_ROWS = (
+    ("output_throughput", "output tok/s"),
+    ("median_ttft_ms", "time to first token, ms (median)"),
+)
+
+
 def plot(report: dict[str, Any], out: Path) -> None:
+    """Output tok/s and time to first token per server at each concurrency (bars: the rounds'
+    range), with the offline bench's panel where it ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,21 +228,30 @@ def plot(report: dict[str, Any], out: Path) -> None:
     summ = report["summary"]["servers"]
     offline = report.get("offline")
     panels = len(cs) + bool(offline)
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4.2), squeeze=False)
+    rows = len(PLOT_ROWS) if cs else 1
+    fig, axes = plt.subplots(
+        rows, max(panels, 1), figsize=(3.6 * panels + 3.0, 3.0 * rows + 0.6), squeeze=False
+    )
     if offline:
         from vllm_adaptive.bench.offline import plot_axis
 
         plot_axis(axes[0][-1], offline)
-    for ax, c in zip(axes[0], cs, strict=False):
-        vals = [summ[lb].get(c, {}).get("output_throughput", 0.0) for lb in labels]
-        colors = ["#888888" if s["stock"] else "#1f77b4" for s in report["servers"]]
-        ax.barh(range(len(labels)), vals, color=colors, xerr=_range_err(summ, labels, c, vals))
-        ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{c} concurrent request(s)")
-        ax.set_xlabel("output tok/s (vllm bench serve; bars: rounds' range)")
+        for r in range(1, rows):
+            axes[r][-1].set_visible(False)
+    colors = ["#888888" if s["stock"] else "#1f77b4" for s in report["servers"]]
+    for r, (key, xlabel) in enumerate(PLOT_ROWS[:rows] if cs else ()):
+        for i, c in enumerate(cs):
+            ax = axes[r][i]
+            vals = [summ[lb].get(c, {}).get(key, 0.0) for lb in labels]
+            ax.barh(
+                range(len(labels)), vals, color=colors, xerr=_range_err(summ, labels, c, vals, key)
+            )
+            ax.set_yticks(range(len(labels)), labels if i == 0 else [], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_title(f"{c} concurrent request(s)", fontsize=9)
+            ax.set_xlabel(f"{xlabel}; bars: rounds' range", fontsize=8)
     cpu = report["env"]["cpu"]
     fig.suptitle(f"vllm serve on {cpu['model']} ({', '.join(cpu['key_flags'])})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
