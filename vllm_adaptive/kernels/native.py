@@ -146,6 +146,23 @@ def fp16_linear_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.
     return ops.fp16_pack, ops.fp16_linear
 
 
+def geared_fp16_linear_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.vllm_adaptive_native.geared_fp16_linear`` (the fp16 gear's linear as a
+    compiled graph calls it: csrc/fp16_linear.cpp) with its fake kernel registered, where the
+    fp16 kernel runs here; else None."""
+    if fp16_linear_ops() is None:
+        return None
+    with _lock:
+        if "fake" not in _state:
+            torch.library.register_fake(f"{NAMESPACE}::geared_fp16_linear")(_geared_fp16_fake)
+            _state["fake"] = True
+    return getattr(torch.ops, NAMESPACE).geared_fp16_linear
+
+
+def _geared_fp16_fake(x, packed, fbgemm, native_rows, uniform, index, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 def build_report() -> dict[str, object]:
     """Where the build stands: built (and the seconds it took in this process), or why not."""
     return {
@@ -166,6 +183,7 @@ __all__ = [
     "build_report",
     "ensure_built",
     "fp16_linear_ops",
+    "geared_fp16_linear_op",
     "is_cached",
     "masked_decode_op",
     "masked_prefill_op",

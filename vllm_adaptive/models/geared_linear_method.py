@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive.engine.vllm_api import LinearMethodBase
+from vllm_adaptive.kernels import native
 from vllm_adaptive.precision.linear import GearedLinear
 
 
@@ -15,6 +16,16 @@ class GearedLinearMethod(LinearMethodBase):
 
     def __init__(self, geared: GearedLinear) -> None:
         self.geared = geared
+        # what a compiled graph passes to the fp16 gear's C++ op (``GearedLinear.route``),
+        # set by ``use_route`` once dispatch is measured; None: the Python op only
+        self.route: tuple | None = None
+        self.route_op = None
+
+    def use_route(self) -> bool:
+        """Let compiled graphs call the fp16 tier's C++ op where it runs (after autotune)."""
+        self.route = self.geared.route()
+        self.route_op = native.geared_fp16_linear_op() if self.route is not None else None
+        return self.route is not None
 
     def create_weights(self, *args, **kwargs):  # pragma: no cover - installed after loading
         raise RuntimeError("GearedLinearMethod is installed after weights are created")
@@ -36,7 +47,9 @@ class GearedLinearMethod(LinearMethodBase):
             g = self.geared  # eager: skip the op dispatch (~10 us per call)
             return g.fast(x) if g.fast is not None else g.forward(x)
         lead = x.shape[:-1]
-        out = torch.ops.vllm_adaptive.geared_linear(
-            x.reshape(-1, x.shape[-1]), self.geared.index, self.geared.tiers.shape[0]
-        )
+        g, x2 = self.geared, x.reshape(-1, x.shape[-1])
+        if self.route is not None:  # the fp16 tier from C++ while every row runs it
+            out = self.route_op(x2, *self.route, g.uniform_fp16, g.index, g.tiers.shape[0])
+        else:
+            out = torch.ops.vllm_adaptive.geared_linear(x2, g.index, g.tiers.shape[0])
         return out.reshape(*lead, out.shape[-1])

@@ -57,9 +57,10 @@ def gear_draft_linears(model: torch.nn.Module, precision: str, max_tokens: int =
         tiers = LinearTiers.build(module.weight, set(level_map), "independent", None, True)
         tiers.prepare(module.weight.dtype)
         g = GearedLinear(module, DRAFT_PREFIX + name, level_map, tiers, method, controller=None)
-        g.fast = g.call_for(precision)  # no step plan: every row of every step runs it
+        g.set_uniform(precision)  # no step plan: every row of every step runs it
         module.quant_method = GearedLinearMethod(g)
         g.autotune(max_tokens)
+        module.quant_method.use_route()
         geared.append(g)
     autotune.table().save()
     return geared

@@ -102,6 +102,7 @@ def install_precision(
         g = GearedLinear(linear, name, level_map, tiers, linear.quant_method, controller)
         linear.quant_method = GearedLinearMethod(g)
         g.autotune(max_tokens)
+        linear.quant_method.use_route()
         geared.append(g)
     from vllm_adaptive.kernels import autotune
 

@@ -210,7 +210,7 @@ class PrecisionController:
             return
         self._uniform_code = code
         for g in self.geared:
-            g.fast = None if code is None else g.call_for(g.level_precisions[code])
+            g.set_uniform(None if code is None else g.level_precisions[code])
 
     def _prewarm_codes(self) -> set[int]:
         """Levels the policies expect next (GEARBX section 3.5): kept resident."""

@@ -13,6 +13,11 @@ activations: the AMX int8 GEMM where the CPU has one), and the results are
 scattered back in token order; rows at W8A8 and W8A16 on shared int8 codes run as one oneDNN
 GEMM (:func:`~vllm_adaptive.kernels.float_linear.nested_w8a8_w8a16`). The LM head is geared the
 same way (its tiers are copies: the embedding it may be tied to keeps its float weight).
+
+While every row of a step runs the fp16 tier, a compiled graph skips the Python op: it calls
+``vllm_adaptive_native::geared_fp16_linear`` (``kernels/csrc/fp16_linear.cpp``), which reads the
+layer's ``uniform_fp16`` flag and runs the measured kernel for the row count in C++; with the
+flag clear it calls the Python op above (``GearedLinear.route`` says what it needs).
 """
 
 from __future__ import annotations
@@ -24,8 +29,16 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_adaptive.kernels.float_linear import W8A16Weight, nested_w8a8_w8a16
-from vllm_adaptive.kernels.weights import HALF_DTYPES, autotune_weight, half_call, linear
+from vllm_adaptive.kernels import native
+from vllm_adaptive.kernels.autotune import BUCKETS
+from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A16Weight, nested_w8a8_w8a16
+from vllm_adaptive.kernels.weights import (
+    HALF_DTYPES,
+    autotune_weight,
+    half_call,
+    kernel_name,
+    linear,
+)
 from vllm_adaptive.precision.tiers import LinearTiers
 
 #: the op's ``index`` -> its layer; weak, so that a finished engine's layers are freed with it
@@ -59,8 +72,40 @@ class GearedLinear:
         # ``x -> y`` at the one precision every row of this step runs (set by the controller
         # each time that changes); None: rows may differ, ``forward`` groups them
         self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # 1 while ``fast`` is the fp16 tier: what the compiled graph's C++ op reads (``route``)
+        self.uniform_fp16 = torch.zeros(1, dtype=torch.uint8)
         self.index = next(_NEXT_INDEX)
         _LINEARS[self.index] = self
+
+    def set_uniform(self, precision: str | None) -> None:
+        """Every row of the coming steps runs ``precision`` (None: rows may differ)."""
+        self.fast = None if precision is None else self.call_for(precision)
+        self.uniform_fp16[0] = int(precision == "fp16" and self.fast is not None)
+
+    def route(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """What ``torch.ops.vllm_adaptive_native.geared_fp16_linear`` needs to run this
+        layer's fp16 tier without a Python frame (its native and FBGEMM layouts, and per row
+        count up to the last dispatch bucket whether the native kernel runs), or None where it
+        cannot: no fp16 tier, a bias, tiers that come and go, or no native kernel here."""
+        tier = self.tiers.tiers.get("fp16")
+        if not isinstance(tier, Fp16Weight) or self.layer.bias is not None:
+            return None
+        if self.controller is not None and self.controller.config.offload_inactive:
+            return None
+        if native.geared_fp16_linear_op() is None:
+            return None
+        # index: row count (0 rows: the native kernel returns the empty result)
+        names = ["native_fp16"]
+        names += [kernel_name(tier, m, torch.float32) for m in range(1, BUCKETS[-1] + 1)]
+        if not set(names) <= {"native_fp16", "fbgemm_fp16"}:
+            return None
+        for name in set(names):
+            tier.prepare(name)
+        fbgemm = tier.prepared.get("fbgemm_fp16") if "fbgemm_fp16" in names else None
+        if "fbgemm_fp16" in names and not isinstance(fbgemm, torch.Tensor):
+            return None  # TorchScript-packed FBGEMM (older torch): the Python op calls it
+        native_rows = torch.tensor([n == "native_fp16" for n in names], dtype=torch.uint8)
+        return tier.prepared["native_fp16"], fbgemm, native_rows
 
     def call_for(self, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The whole layer at ``precision`` as one callable: the hot path of a step whose rows

@@ -13,11 +13,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <sys/mman.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -162,14 +164,48 @@ at::Tensor fp16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   return y;
 }
 
+// The fp16 gear's linear as a compiled graph calls it: the step's kernel chosen here, without a
+// Python frame, while every row of the step runs the fp16 gear (`uniform[0] != 0`, set by the
+// precision controller); otherwise the plugin's Python op, which groups the rows by gear.
+// `native_rows[min(M, len - 1)] != 0` picks the native kernel for M rows, else FBGEMM's
+// (`fbgemm`: its packed weight; absent where dispatch never picks it): the measured dispatch
+// table, flattened by the Python side.
+at::Tensor geared_fp16_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const std::optional<at::Tensor>& fbgemm,
+                              const at::Tensor& native_rows, const at::Tensor& uniform,
+                              int64_t index, int64_t out_features) {
+  if (uniform.data_ptr<uint8_t>()[0] != 0 && x.dim() == 2 && x.scalar_type() == at::kFloat) {
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    const int64_t last = native_rows.numel() - 1;
+    if (native_rows.data_ptr<uint8_t>()[std::min(xc.size(0), last)] != 0)
+      return fp16_linear(xc, packed, out_features);
+    if (fbgemm.has_value()) {
+      static const auto fbgemm_op =
+          c10::Dispatcher::singleton()
+              .findSchemaOrThrow("_quantized::wrapped_fbgemm_linear_fp16_weight", "")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                int64_t)>();
+      return fbgemm_op.call(xc, *fbgemm, at::Tensor(), out_features);  // no bias
+    }
+  }
+  static const auto python_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
+                                    .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return python_op.call(x, index, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
   m.def("fp16_pack(Tensor weight) -> Tensor");
   m.def("fp16_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def(
+      "geared_fp16_linear(Tensor x, Tensor packed, Tensor? fbgemm, Tensor native_rows, "
+      "Tensor uniform, int index, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) {
   m.impl("fp16_pack", &fp16_pack);
   m.impl("fp16_linear", &fp16_linear);
+  m.impl("geared_fp16_linear", &geared_fp16_linear);
 }
