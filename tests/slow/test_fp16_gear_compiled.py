@@ -51,12 +51,72 @@ def _text(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def count_python_calls(model) -> int:
+    """Wrap each decoder linear's Python fast call with a counter (the flag stays set: a graph
+    that reads the live flag never calls it); returns how many were wrapped."""
+    from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
+
+    wrapped = 0
+    for name, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if not isinstance(method, GearedLinearMethod) or name.endswith("lm_head"):
+            continue
+        g, fast = method.geared, method.geared.fast
+
+        def counted(x, fast=fast, g=g):
+            g.python_calls = getattr(g, "python_calls", 0) + 1
+            return fast(x)
+
+        g.fast, g.python_calls = counted, 0
+        wrapped += 1
+    return wrapped
+
+
+def _decoder_geared(model) -> list:
+    from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
+
+    return [
+        m.quant_method.geared
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "quant_method", None), GearedLinearMethod)
+        and not name.endswith("lm_head")
+    ]
+
+
+def python_calls(model) -> dict[str, int]:
+    """Calls the counters saw, and how many counters are still in place."""
+    geared = _decoder_geared(model)
+    return {
+        "calls": sum(getattr(g, "python_calls", 0) for g in geared),
+        "counted": sum(getattr(g.fast, "__name__", "") == "counted" for g in geared),
+    }
+
+
+def clear_flags(model) -> int:
+    """The negative control: the flags cleared by hand, the counters left in place."""
+    geared = _decoder_geared(model)
+    for g in geared:
+        g.uniform_fp16[0] = 0
+    return len(geared)
+
+
 def test_every_geared_linear_takes_the_cpp_op(llm) -> None:
-    llm.generate(SPEC_PROMPTS[:1], _greedy(4), use_tqdm=False)
+    first = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
     routes = llm.apply_model(geared_routes)[0]
     assert routes["geared"] == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     assert routes["routed"] == routes["geared"]
     assert routes["uniform_fp16"] == routes["geared"]
+    # the compiled graph reads the live flag: no decoder linear enters Python while it is set
+    assert llm.apply_model(count_python_calls)[0] == 30 * 4
+    again = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    assert again == first
+    assert llm.apply_model(python_calls)[0] == {"calls": 0, "counted": 30 * 4}
+    # cleared by hand, the same graph hands every call to the Python op (the same kernels)
+    assert llm.apply_model(clear_flags)[0] == 30 * 4
+    cleared = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    assert cleared == first
+    seen = llm.apply_model(python_calls)[0]
+    assert seen["counted"] == 30 * 4 and seen["calls"] >= 30 * 4 * 8
 
 
 def test_mixed_steps_fall_back_to_the_python_op(llm) -> None:
