@@ -1,12 +1,16 @@
-"""The fp16 gear's linears as a decode step reads them: every weight of the model once, cold.
+"""A gear's linears as a decode step reads them: every weight of the model once, cold.
 
 A kernel table that calls one linear again and again measures it with its weight in cache; a
 served decode step reads 270 MB of fp16 weights (30 layers' qkv / o / gate_up / down and the LM
 head of SmolLM2-135M) once, from memory. This times a whole step's worth of linears at 1 to 8
-rows on one thread, FBGEMM's fp16 GEMM against the plugin's ``native_fp16`` kernel, the kernels
-interleaved per round, and the machine's single-thread read bandwidth for scale.
+rows on one thread, per ``format:kernel`` (by default FBGEMM's fp16 GEMM against the plugin's
+``native_fp16`` kernel; ``w8a16:native_int8`` / ``w8a16:onednn`` for int8 weights), the kernels
+interleaved per round, and the machine's single-thread read bandwidth for scale. Speed-ups are
+over the first kernel named.
 
     .venv/bin/python docs/experiments/fp16_stream.py --rounds 5 --out docs/data/fp16-stream-icx.json
+    .venv/bin/python docs/experiments/fp16_stream.py --kernels fp16:native_fp16 \
+        w8a16:native_int8 w8a16:onednn --out docs/data/int8-stream-icx.json
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per kernel, row count, round")
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["fp16:fbgemm_fp16", "fp16:native_fp16"],
+        help="format:kernel pairs, the first is the reference of the speed-ups",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -35,17 +45,26 @@ def main() -> None:
 
     from vllm_adaptive.bench.bandwidth import stream_bandwidth
     from vllm_adaptive.bench.machine import cpuinfo
-    from vllm_adaptive.kernels.float_linear import Fp16Weight
+    from vllm_adaptive.engine import kernel_ops
+    from vllm_adaptive.kernels.weights import quantize_weight
+
+    kernel_ops.provide()  # vLLM's oneDNN int8 GEMM for w8a16:onednn
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(args.layers) for s in LAYER] + [HEAD]
-    weights = [Fp16Weight.from_float(torch.randn(s, generator=gen) * 0.02) for s in shapes]
-    kernels = ("fbgemm_fp16", "native_fp16")
-    calls = {k: [(w.bind(k), w.shape[1]) for w in weights] for k in kernels}
-    for w in weights:
-        w.weight = w.weight[:0]  # only the kernels' layouts stay resident
-    mb = sum(n * k for n, k in shapes) * 2 / 1e6
+    kernels = list(args.kernels)
+    formats = sorted({k.split(":")[0] for k in kernels})
+    calls: dict[str, list] = {k: [] for k in kernels}
+    for shape in shapes:
+        w32 = torch.randn(shape, generator=gen) * 0.02
+        for fmt in formats:
+            w = quantize_weight(w32, fmt)
+            for k in kernels:
+                if k.startswith(fmt + ":"):
+                    calls[k].append((w.bind(k.split(":")[1]), shape[1]))
+    params = sum(n * k for n, k in shapes)
+    mb = {k: params * (2 if k.startswith("fp16:") else 1) / 1e6 for k in kernels}
     xs = {m: {k: torch.randn(m, k, generator=gen) for k in (576, 1536)} for m in args.rows}
 
     def step(kernel: str, m: int) -> float:
@@ -66,16 +85,21 @@ def main() -> None:
     bw = stream_bandwidth()
     rows = []
     for m in args.rows:
-        row = {"rows": m}
+        row: dict = {"rows": m}
         for kernel in kernels:
             ms = 1e3 * statistics.median(times[kernel][m])
-            row[kernel] = {"ms": round(ms, 2), "gb_s": round(mb / ms, 2)}
-        row["native_speedup"] = round(row["fbgemm_fp16"]["ms"] / row["native_fp16"]["ms"], 3)
+            row[kernel] = {"ms": round(ms, 2), "gb_s": round(mb[kernel] / ms, 2)}
+        for kernel in kernels[1:]:
+            row[kernel]["speedup"] = round(row[kernels[0]]["ms"] / row[kernel]["ms"], 3)
         rows.append(row)
         print(
-            f"{m} rows: FBGEMM {row['fbgemm_fp16']['ms']:.1f} ms "
-            f"({row['fbgemm_fp16']['gb_s']:.1f} GB/s), native {row['native_fp16']['ms']:.1f} ms "
-            f"({row['native_fp16']['gb_s']:.1f} GB/s): {row['native_speedup']:.2f}x"
+            f"{m} rows: "
+            + ", ".join(
+                f"{k} {row[k]['ms']:.1f} ms ({row[k]['gb_s']:.1f} GB/s"
+                + (f", {row[k]['speedup']:.2f}x" if "speedup" in row[k] else "")
+                + ")"
+                for k in kernels
+            )
         )
     print(f"single-thread read bandwidth {bw['read_gbs']:.1f} GB/s (triad {bw['triad_gbs']:.1f})")
     if args.out:
@@ -83,7 +107,7 @@ def main() -> None:
         machine.pop("cpu_flags", None)
         out = {
             "machine": machine | {"torch": torch.__version__, "threads": 1},
-            "weights_mb": round(mb, 1),
+            "weights_mb": {k: round(v, 1) for k, v in mb.items()},
             "layers": args.layers,
             "rounds": args.rounds,
             "steps_per_cell": args.rounds * args.steps,

@@ -182,13 +182,64 @@ def test_w8a16_is_the_int8_weight_times_two_activation_planes(m: int) -> None:
     q1 = quantize_per_token(x)
     planes = q1 + quantize_per_token(x - q1)
     exact_weight_only = x.double() @ codes.t()
-    for name in {*w16.kernels(), "reference"}:
+    for name in {*w16.kernels(), "reference"} - {"native_int8"}:
         y = w16.bind(name)(x)
         assert y.shape == (m, N)
         torch.testing.assert_close(y.double(), planes.double() @ codes.t(), atol=1e-4, rtol=1e-4)
         err16 = (y.double() - exact_weight_only).abs().max()
         err8 = (w16.base.bind("reference")(x).double() - exact_weight_only).abs().max()
         assert err16 < err8 / 20, (name, err16, err8)
+
+
+def _native_int8():
+    """The C++ weight-only int8 linear; it builds wherever a compiler and AVX2 / FMA exist."""
+    if shutil.which("c++") is None or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no C++ compiler or no AVX2 / FMA: the native int8 kernel cannot run here")
+    ops = native.int8_linear_ops()
+    assert ops is not None, native.why_unavailable()
+    return ops
+
+
+@pytest.mark.parametrize("n, k, groups", [(192, 320, 1), (45, 64, 1), (1, 16, 1), (97, 1536, 12)])
+def test_native_int8_kernel_computes_the_weight_only_product(n: int, k: int, groups: int) -> None:
+    """The int8 codes times their scales (one per column, or per column and group of K) times
+    float32 activations, with no rounding of the activations: output widths that are not whole
+    blocks of 32, row counts around the row groups (8 on AVX512, 2 on AVX2)."""
+    pack, lin = _native_int8()
+    g = torch.Generator().manual_seed(n * k + groups)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(groups, n, generator=g) * 0.01 + 1e-3
+    packed, padded = pack(codes, scales[0] if groups == 1 else scales)
+    assert packed.shape == ((n + 31) // 32, k, 32) and padded.shape == (groups, packed.numel() // k)
+    w = (codes.double().reshape(n, groups, -1) * scales.double().t()[:, :, None]).reshape(n, k)
+    for m in (1, 2, 3, 5, 8, 9, 16, 19):
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ w.t()
+        y = lin(x, packed, padded, n)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+    assert lin(torch.empty(0, k), packed, padded, n).shape == (0, n)
+    with pytest.raises(RuntimeError, match=f"x has 8 features, the weight {k}"):
+        lin(torch.randn(2, 8), packed, padded, n)
+    with pytest.raises(RuntimeError, match="scale groups do not divide"):
+        pack(codes, torch.rand(7, n))
+
+
+@pytest.mark.parametrize("m", [1, 4, 17])
+def test_w8a16_native_kernel_has_only_the_weights_error(m: int) -> None:
+    """W8A16's ``native_int8`` kernel runs the float32 activations on the int8 codes as they
+    are: the weight-only int8 product, closer to it than the two activation planes get."""
+    _native_int8()
+    w, x = _w(), _x(m)
+    w16 = W8A16Weight.from_float(w)
+    assert "native_int8" in w16.kernels()
+    exact_weight_only = x.double() @ w16.base.dequantize().double().t()
+    y = w16.bind("native_int8")(x)
+    assert y.shape == (m, N) and y.dtype == torch.float32
+    err = (y.double() - exact_weight_only).abs().max()
+    err_planes = (w16.bind("reference")(x).double() - exact_weight_only).abs().max()
+    assert err < 1e-5 and err < err_planes, (float(err), float(err_planes))
+    assert w16.resident_bytes() >= w16.nbytes + N * K  # the packed codes are counted
 
 
 needs_amx = pytest.mark.skipif(

@@ -29,8 +29,11 @@ shape and token count by :mod:`vllm_adaptive.kernels.autotune`, measured on the 
   the weight's int8 rounding alone (weight-only int8 quality). Both planes go through one int8
   GEMM of twice the rows, which on these CPUs still beats FBGEMM's fp16 GEMM from a few tokens
   on. A batch whose rows run W8A8 and W8A16 on the same codes needs one GEMM
-  (:func:`nested_w8a8_w8a16`): the second plane only for the W8A16 rows. Kernels: ``onednn``
-  and ``reference``.
+  (:func:`nested_w8a8_w8a16`): the second plane only for the W8A16 rows. Kernels: ``onednn``,
+  ``native_int8`` (the plugin's C++ kernel, ``csrc/int8_linear.cpp``: the int8 codes times
+  float32 activations with no activation rounding at all, streamed as ``native_fp16`` streams
+  fp16, at half its bytes; for the few rows of a decode step, where the step is the weights'
+  bytes) and ``reference``.
 
 Half-precision activations (bf16 / fp16 engines): where the CPU has AMX, W8A8 and W8A16 also run
 on vLLM's AMX int8 GEMM with its fused per-token quantizer (``int8_scaled_mm_with_quant``, the
@@ -59,7 +62,7 @@ from vllm_adaptive.kernels.library import vllm_ops
 
 FP16_KERNELS = ("fbgemm_fp16", "native_fp16", "reference")
 W8A8_KERNELS = ("onednn", "fbgemm_rows", "reference")
-W8A16_KERNELS = ("onednn", "reference")
+W8A16_KERNELS = ("onednn", "native_int8", "reference")
 
 
 def fbgemm_available() -> bool:
@@ -399,11 +402,24 @@ class W8A16Weight(KernelLayouts):
             self.base.release()
 
     def kernels(self) -> tuple[str, ...]:
-        return ("onednn",) if onednn_int8_available() else ("reference",)
+        """Kernels dispatch may pick; ``native_int8`` where the plugin's C++ kernels are built
+        (AVX2 / FMA CPUs). Every kernel stays callable by ``bind``."""
+        first = ("onednn",) if onednn_int8_available() else ("reference",)
+        return first + (("native_int8",) if native.int8_linear_ops() is not None else ())
 
     def bind(self, kernel: str):
         """``x -> x @ W^T`` for contiguous 2-D float32 ``x``."""
         base, n = self.base, self.shape[0]
+        if kernel == "native_int8":
+            ops = native.int8_linear_ops()
+            if ops is None:
+                raise RuntimeError(f"native_int8 does not run here: {native.why_unavailable()}")
+            if kernel not in self.prepared:
+                self.prepared[kernel] = ops[0](base.codes, base.scales)
+            (packed, scales), op, inv = self.prepared[kernel], ops[1], base.inv_smooth
+            if inv is None:
+                return lambda x: op(x, packed, scales, n)
+            return lambda x: op((x * inv).contiguous(), packed, scales, n)
         if kernel == "onednn":
             base.prepare("onednn")
             handler = base.prepared["onednn"]
@@ -437,7 +453,12 @@ class W8A16Weight(KernelLayouts):
         return run
 
     def resident_bytes(self) -> int:
-        return self.nbytes + (0 if self.shared else self.base.resident_bytes() - self.base.nbytes)
+        own = self.base.codes.numel() if "native_int8" in self.prepared else 0
+        return (
+            self.nbytes
+            + own
+            + (0 if self.shared else self.base.resident_bytes() - self.base.nbytes)
+        )
 
 
 def _two_plane_onednn(

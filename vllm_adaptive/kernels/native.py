@@ -1,12 +1,14 @@
 """The plugin's C++ CPU kernels, built on the machine that runs them.
 
 Only where no library kernel serves (``csrc/``): decode and prefill attention over vLLM's CPU
-paged cache with the per-slot depth mask, which vLLM's CPU op cannot express; and the fp16
+paged cache with the per-slot depth mask, which vLLM's CPU op cannot express; the fp16
 gear's linear at a few rows, where FBGEMM's fp16 GEMM streams the weights slower than the core
-can (docs/float32-kernels.md). Built with torch's C++ extension loader for this CPU
-(``-march=native``) on first use, into ``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the
-digest covers the sources, the flags, torch's version and the CPU's ISA, so a cache shared
-between machines never loads a foreign build. The build takes about a minute once per machine
+can; and weight-only int8 at a few rows for float32 activations, which no library kernel here
+computes without quantizing the activations (docs/float32-kernels.md). Built with torch's C++
+extension loader for this CPU (``-march=native``) on first use, into
+``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the digest covers the sources, the flags,
+torch's version and the CPU's ISA, so a cache shared between machines never loads a foreign
+build. The build takes about a minute once per machine
 (the sources compile side by side): ``vllm-adaptive kernels build`` (which ``scripts/serve.sh``
 runs before it starts vLLM) does it ahead of time; otherwise engines start it at engine start
 (:func:`ensure_built`), never inside a request.
@@ -48,7 +50,7 @@ def enabled() -> bool:
 
 
 #: the library's translation units (one per op, compiled in parallel) and what they include
-SOURCES = ("masked_decode.cpp", "masked_prefill.cpp", "fp16_linear.cpp")
+SOURCES = ("masked_decode.cpp", "masked_prefill.cpp", "fp16_linear.cpp", "int8_linear.cpp")
 HEADERS = ("masked_common.h",)
 
 
@@ -146,6 +148,15 @@ def fp16_linear_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.
     return ops.fp16_pack, ops.fp16_linear
 
 
+def int8_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]] | None:
+    """``(int8_pack, int8_linear)`` from ``torch.ops.vllm_adaptive_native`` where built and the
+    CPU has AVX2 and FMA (what the kernel is compiled for), else None."""
+    if not {"avx2", "fma"} <= cpu_flags() or not ensure_built():
+        return None
+    ops = getattr(torch.ops, NAMESPACE)
+    return ops.int8_pack, ops.int8_linear
+
+
 def geared_fp16_linear_op() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.vllm_adaptive_native.geared_fp16_linear`` (the fp16 gear's linear as a
     compiled graph calls it: csrc/fp16_linear.cpp) with its fake kernel registered, where the
@@ -184,6 +195,7 @@ __all__ = [
     "ensure_built",
     "fp16_linear_ops",
     "geared_fp16_linear_op",
+    "int8_linear_ops",
     "is_cached",
     "masked_decode_op",
     "masked_prefill_op",

@@ -1,0 +1,224 @@
+// Linear layers over int8 weights (a float32 scale per output column and group of K) with
+// float32 activations, for the few rows of a decode or verification step: weight-only int8,
+// so the product carries the weight's rounding alone, at half the bytes of float16.
+//
+// A decode step's linears stream their weights from memory (fp16_linear.cpp): at one row the
+// time is the bytes. The layout and the loop are fp16_linear's: a block of 32 output columns
+// stored as K consecutive 32-byte rows ([N/32][K][32] int8), read once for up to 8 rows
+// (AVX512; 2 on AVX2), a software prefetch 4 KiB ahead, the packed codes on 2 MiB pages. Each
+// 16 codes become float32 with one sign extension and one conversion; with one scale per
+// column the accumulators are scaled once at the end, with groups of K each code is multiplied
+// by its group's scale as it is converted (one multiply per 16 codes: 5% of a step at 8 rows).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <sys/mman.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <tuple>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 32;        // output columns per block: one 32-byte row per k
+constexpr int64_t kPrefetch = 4096;  // bytes ahead
+constexpr size_t kPage = size_t(2) << 20;
+
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 2;
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kSupported = true;
+#else
+constexpr bool kSupported = false;
+#endif
+
+// y[r, 0:cols] = sum_k x[r, k] * codes[k, :] * scales[k / group, :] for one block
+#if defined(__AVX512F__)
+inline __m512 codes16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int R, bool Grouped>
+void block(const float* x, int64_t ldx, int64_t K, int64_t group, const int8_t* w,
+           const float* s, int64_t lds, float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    const __m512 s0 = _mm512_loadu_ps(s + (k0 / group) * lds);
+    const __m512 s1 = _mm512_loadu_ps(s + (k0 / group) * lds + 16);
+    for (int64_t k = k0; k < k0 + group; ++k, w += kCols) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+      __m512 w0 = codes16(w), w1 = codes16(w + 16);
+      if constexpr (Grouped) {
+        w0 = _mm512_mul_ps(w0, s0);
+        w1 = _mm512_mul_ps(w1, s1);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+        acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      }
+    }
+  }
+  if constexpr (!Grouped) {
+    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_mul_ps(acc[r][0], s0);
+      acc[r][1] = _mm512_mul_ps(acc[r][1], s1);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int R, bool Grouped>
+void block(const float* x, int64_t ldx, int64_t K, int64_t group, const int8_t* w,
+           const float* s, int64_t lds, float* y, int64_t ldy, int64_t cols) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    const float* sg = s + (k0 / group) * lds;
+    for (int64_t k = k0; k < k0 + group; ++k, w += kCols) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+      __m256 wj[4];
+      for (int j = 0; j < 4; ++j) {
+        wj[j] = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * j))));
+        if constexpr (Grouped) wj[j] = _mm256_mul_ps(wj[j], _mm256_loadu_ps(sg + 8 * j));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_set1_ps(x[r * ldx + k]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(xr, wj[j], acc[r][j]);
+      }
+    }
+  }
+  alignas(32) float tmp[kCols];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j)
+      _mm256_store_ps(tmp + 8 * j,
+                      Grouped ? acc[r][j] : _mm256_mul_ps(acc[r][j], _mm256_loadu_ps(s + 8 * j)));
+    std::copy(tmp, tmp + cols, y + r * ldy);
+  }
+}
+#endif
+
+template <int R>
+void rows_of_block(const float* x, int64_t ldx, int64_t K, int64_t group, const int8_t* w,
+                   const float* s, int64_t lds, float* y, int64_t ldy, int64_t cols,
+                   int64_t rows) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (R > 1) {
+    if (rows < R) return rows_of_block<R - 1>(x, ldx, K, group, w, s, lds, y, ldy, cols, rows);
+  }
+  if (group == K)
+    block<R, false>(x, ldx, K, group, w, s, lds, y, ldy, cols);
+  else
+    block<R, true>(x, ldx, K, group, w, s, lds, y, ldy, cols);
+#endif
+}
+
+// codes [N, K] int8 and scales [N] (one per output column) or [G, N] (G groups of K / G
+// inputs) -> (codes as [N/32][K][32] on 2 MiB pages, scales as [G, N/32 * 32], zero-padded)
+std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(kSupported, "int8_pack: this build has no AVX2 / FMA (built without them)");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar,
+              "int8_pack: the codes must be a 2-D int8 tensor, got ", codes.scalar_type(),
+              " with ", codes.dim(), " dims");
+  const at::Tensor c = codes.contiguous();
+  const int64_t N = c.size(0), K = c.size(1);
+  const at::Tensor s2 = scales.dim() == 1 ? scales.reshape({1, -1}) : scales;
+  TORCH_CHECK(s2.dim() == 2 && s2.scalar_type() == at::kFloat && s2.size(1) == N,
+              "int8_pack: scales must be float32 [N] or [G, N] with N = ", N, ", got ",
+              scales.sizes());
+  const int64_t G = s2.size(0);
+  TORCH_CHECK(G >= 1 && K % G == 0, "int8_pack: ", G, " scale groups do not divide K = ", K);
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  const size_t bytes = size_t(blocks) * K * kCols;
+  const size_t alloc = std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
+  void* mem = std::aligned_alloc(kPage, alloc);
+  TORCH_CHECK(mem != nullptr, "int8_pack: could not allocate ", alloc, " bytes");
+  madvise(mem, alloc, MADV_HUGEPAGE);  // a hint: without transparent huge pages it does nothing
+  auto* dst = static_cast<int8_t*>(mem);
+  const int8_t* src = c.data_ptr<int8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int8_t* out = dst + b * K * kCols;
+      for (int64_t j = 0; j < kCols; ++j) {
+        const int64_t n = b * kCols + j;
+        const int8_t* row = src + n * K;
+        for (int64_t k = 0; k < K; ++k) out[k * kCols + j] = n < N ? row[k] : 0;
+      }
+    }
+  });
+  at::Tensor packed = at::from_blob(
+      mem, {blocks, K, kCols}, [](void* p) { std::free(p); },
+      at::TensorOptions().dtype(at::kChar));
+  at::Tensor padded = at::zeros({G, blocks * kCols}, s2.options());
+  padded.narrow(1, 0, N).copy_(s2);
+  return {packed, padded};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       int64_t out_features) {
+  TORCH_CHECK(kSupported, "int8_linear: this build has no AVX2 / FMA (built without them)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar &&
+                  packed.size(2) == kCols && packed.is_contiguous(),
+              "int8_linear: packed must come from int8_pack");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "int8_linear: x has ", K, " features, the weight ",
+              packed.size(1));
+  TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols,
+              "int8_linear: out_features ", out_features, " does not match ", blocks,
+              " blocks of ", kCols);
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(1) == blocks * kCols && scales.size(0) >= 1 &&
+                  K % scales.size(0) == 0,
+              "int8_linear: scales must come from int8_pack with the codes");
+  const int64_t group = K / scales.size(0), lds = blocks * kCols;
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min(kCols, out_features - b * kCols);
+      const int8_t* w = wp + b * K * kCols;
+      for (int64_t r = 0; r < M; r += kRows) {
+        rows_of_block<kRows>(xp + r * K, K, K, group, w, sp + b * kCols, lds,
+                             yp + r * out_features + b * kCols, out_features, cols,
+                             std::min<int64_t>(kRows, M - r));
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
+  m.def("int8_pack(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) {
+  m.impl("int8_pack", &int8_pack);
+  m.impl("int8_linear", &int8_linear);
+}
