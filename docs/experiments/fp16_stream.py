@@ -4,13 +4,14 @@ A kernel table that calls one linear again and again measures it with its weight
 served decode step reads 270 MB of fp16 weights (30 layers' qkv / o / gate_up / down and the LM
 head of SmolLM2-135M) once, from memory. This times a whole step's worth of linears at 1 to 8
 rows on one thread, per ``format:kernel`` (by default FBGEMM's fp16 GEMM against the plugin's
-``native_fp16`` kernel; ``w8a16:native_int8`` / ``w8a16:onednn`` for int8 weights), the kernels
+``native_fp16`` kernel; ``w8a16:native_int8`` / ``w8a16:onednn`` for int8 weights,
+``int4:native_int4`` for 4-bit group-32 asymmetric ones, the default model's grid), the kernels
 interleaved per round, and the machine's single-thread read bandwidth for scale. Speed-ups are
 over the first kernel named.
 
     .venv/bin/python docs/experiments/fp16_stream.py --rounds 5 --out docs/data/fp16-stream-icx.json
     .venv/bin/python docs/experiments/fp16_stream.py --kernels fp16:native_fp16 \
-        w8a16:native_int8 w8a16:onednn --out docs/data/int8-stream-icx.json
+        w8a16:native_int8 w8a16:onednn int4:native_int4 --out docs/data/lowbit-stream-icx.json
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     from vllm_adaptive.bench.bandwidth import stream_bandwidth
     from vllm_adaptive.bench.machine import cpuinfo
     from vllm_adaptive.engine import kernel_ops
+    from vllm_adaptive.kernels.matmul import bound_kernel
     from vllm_adaptive.kernels.weights import quantize_weight
 
     kernel_ops.provide()  # vLLM's oneDNN int8 GEMM for w8a16:onednn
@@ -59,12 +61,16 @@ def main() -> None:
     for shape in shapes:
         w32 = torch.randn(shape, generator=gen) * 0.02
         for fmt in formats:
-            w = quantize_weight(w32, fmt)
+            w = quantize_weight(w32, fmt, 32, symmetric=False)  # int4: the Q4_1 grid
             for k in kernels:
                 if k.startswith(fmt + ":"):
-                    calls[k].append((w.bind(k.split(":")[1]), shape[1]))
+                    name = k.split(":")[1]
+                    packed = not hasattr(w, "bind")
+                    fn = bound_kernel(w, name, torch.float32) if packed else w.bind(name)
+                    calls[k].append((fn, shape[1]))
     params = sum(n * k for n, k in shapes)
-    mb = {k: params * (2 if k.startswith("fp16:") else 1) / 1e6 for k in kernels}
+    per_param = {"fp16": 2.0, "int4": 0.5 + 8 / 32}  # int4: codes, float32 scale and offset
+    mb = {k: params * per_param.get(k.split(":")[0], 1.0) / 1e6 for k in kernels}
     xs = {m: {k: torch.randn(m, k, generator=gen) for k in (576, 1536)} for m in args.rows}
 
     def step(kernel: str, m: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_adaptive.environment import cpu_flags
 from vllm_adaptive.kernels import matmul as mm
+from vllm_adaptive.kernels import native
 from vllm_adaptive.kernels.matryoshka import (
     MatryoshkaWeight,
     matryoshka_quantize,
@@ -315,7 +318,8 @@ def test_every_path_agrees_with_the_float_reference():
                 for path in paths:
                     covered.add(_check_matmul(x, p, path))
                 covered.add(_check_matmul(x, p, None))  # whatever the dispatcher picks
-    assert covered == set(mm.PATHS)
+    unbuilt = set() if native.int4_linear_ops() is not None else {mm.NATIVE_INT4}
+    assert covered == set(mm.PATHS) - unbuilt
 
 
 def test_dispatcher_choices_are_applicable_and_agree():
@@ -372,7 +376,7 @@ def test_non_cpu_devices_fall_back_to_dequantize_then_matmul():
 
 
 def _rule_path(fam: str, dtype: torch.dtype, tokens: int) -> str:
-    for max_tokens, path in mm._CPU_RULES[(fam, dtype)]:
+    for max_tokens, path in mm.cpu_rules(fam, dtype):
         if tokens <= max_tokens:
             return path
     raise AssertionError("rules must end with an unbounded entry")
@@ -415,11 +419,44 @@ def test_dispatch_differs_between_one_token_and_many(make, small, large):
 
 
 def test_float32_activations_never_take_the_float32_kernels():
-    # measured 6-55x slower than the bf16 kernels on the project's AVX2 CPU
+    # measured 6-55x slower than the bf16 kernels on the project's AVX2 CPU; 4-bit weights take
+    # the plugin's native kernel at a decode step's rows where it is built
     w = _weight(48, 256)
     for p in (quantize(w, 8), quantize(w, 4, 32), quantize(w, 8, 32)):
         for tokens in (1, 8, 64):
-            assert mm.choose_path(p, tokens, torch.float32, "cpu") == mm.DEQUANT_F32
+            want = mm.DEQUANT_F32
+            if p.bits == 4 and tokens <= mm.NATIVE_INT4_ROWS and native.int4_linear_ops():
+                want = mm.NATIVE_INT4
+            assert mm.choose_path(p, tokens, torch.float32, "cpu") == want
+
+
+@pytest.mark.parametrize("n, k", [(45, 64), (1, 32), (97, 1536), (192, 320)])
+def test_native_int4_kernel_computes_the_grid_at_any_shape(n: int, k: int) -> None:
+    """The C++ 4-bit kernel (``native_int4``) against the float64 product of the dequantized
+    weight: symmetric, asymmetric, int2 and per-row grids, output widths that are not whole
+    blocks of 32 and row counts around the row groups (8 on AVX512, 2 on AVX2)."""
+    if shutil.which("c++") is None or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no C++ compiler or no AVX2 / FMA: the native kernels cannot run here")
+    ops = native.int4_linear_ops()
+    assert ops is not None, native.why_unavailable()
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    for p in (
+        quantize(w, 4, 32),
+        quantize(w, 4, 32, symmetric=False),
+        quantize(w, 2, 32, symmetric=False),
+        quantize(w, 4, None),
+    ):
+        layout = ops[0](p.codes(), p.scales.float(), None if p.offsets is None else p.offsets)
+        ref_w = dequantize(p, torch.float64)
+        for m in (1, 2, 3, 8, 9, 19):
+            x = torch.randn(m, k, generator=g)
+            y = ops[1](x, *layout, n)
+            ref = x.double() @ ref_w.t()
+            assert y.shape == (m, n)
+            assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5, (p.describe(), m)
+    with pytest.raises(RuntimeError, match=r"codes must lie in \[-8, 7\]"):
+        ops[0](torch.full((n, k), 9, dtype=torch.int8), torch.ones(n, 1), None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ Paths (names are what :func:`choose_path` returns and what ``path=`` forces):
   (zero = half a step); per-row scales are repeated over the largest such group dividing K.
   Needs bits 4 or 2, N a multiple of 16 and K a multiple of 32. Scales must be in x's dtype.
 - ``int4pack_f32``: the same on ``x.float()``, cast back.
+- ``native_int4``: the plugin's C++ kernel for float32 activations (``csrc/int4_linear.cpp``):
+  the int4 / int2 codes with their group scales and offsets streamed once for up to 8 rows, for
+  the few rows of a decode step. Needs the native kernels built (AVX2 / FMA); where they are
+  not, its rules fall back to ``dequant_f32``.
 - ``dequant``: ``F.linear(x, dequantize(packed, x.dtype))``: always correct, any device; the
   reference and the fallback.
 - ``triton``: the project's Triton kernel (:mod:`vllm_adaptive.kernels.triton_packed`), reading
@@ -56,7 +60,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from vllm_adaptive.kernels import cuda_library, int4pack_layout
+from vllm_adaptive.kernels import cuda_library, int4pack_layout, native
 from vllm_adaptive.kernels.cuda_library import GEMLITE, TINYGEMM
 from vllm_adaptive.kernels.packed import PackedWeight, dequantize, unpack_codes
 from vllm_adaptive.kernels.planes import MatryoshkaPlanes
@@ -67,8 +71,9 @@ INT4PACK = "int4pack"
 INT4PACK_F32 = "int4pack_f32"
 DEQUANT = "dequant"
 DEQUANT_F32 = "dequant_f32"
+NATIVE_INT4 = "native_int4"
 TRITON = "triton"
-PATHS = (INT8PACK, INT8PACK_F32, INT4PACK, INT4PACK_F32, DEQUANT, DEQUANT_F32)  # CPU
+PATHS = (INT8PACK, INT8PACK_F32, INT4PACK, INT4PACK_F32, DEQUANT, DEQUANT_F32, NATIVE_INT4)
 CUDA_LIBRARY_PATHS = tuple(cuda_library.KERNELS)  # tinygemm, gemlite
 ALL_PATHS = PATHS + (TRITON, *CUDA_LIBRARY_PATHS)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -118,13 +123,19 @@ _INF = float("inf")
 #   (4096x4096 int8, 1 token: 4.8 ms vs 93.7 ms), where from 4 tokens on it often beats even the
 #   dense float32 F.linear (4096x11008: 24.7 vs 41.0 ms at 4 tokens, 48.3 vs 86.1 ms at 32;
 #   4096x4096: 7.6 vs 8.4 ms at 4 tokens but 18.9 vs 13.0 ms at 8).
+# float32, int4 / int2 (int4pack family), 2026-11-29 on an Ice Lake Xeon (AVX512, one thread):
+#   the plugin's native_int4 kernel where it is built (else dequant_f32), up to NATIVE_INT4_ROWS
+#   tokens. A whole step's linears of the default model, cold (docs/experiments/fp16_stream.py):
+#   see docs/float32-kernels.md, "4-bit weights at a decode step's rows".
 # ---------------------------------------------------------------------------------------------
+NATIVE_INT4_ROWS = 16
+
 _CPU_RULES: dict[tuple[str, torch.dtype], tuple[tuple[float, str], ...]] = {
     (FAMILY_INT8_ROW, torch.bfloat16): ((16, INT8PACK), (_INF, DEQUANT_F32)),
     (FAMILY_INT4PACK, torch.bfloat16): ((48, INT4PACK), (_INF, DEQUANT_F32)),
     (FAMILY_DEQUANT, torch.bfloat16): ((_INF, DEQUANT_F32),),
     (FAMILY_INT8_ROW, torch.float32): ((_INF, DEQUANT_F32),),
-    (FAMILY_INT4PACK, torch.float32): ((_INF, DEQUANT_F32),),
+    (FAMILY_INT4PACK, torch.float32): ((NATIVE_INT4_ROWS, NATIVE_INT4), (_INF, DEQUANT_F32)),
     (FAMILY_DEQUANT, torch.float32): ((_INF, DEQUANT_F32),),
 }
 
@@ -237,6 +248,8 @@ def applicable_paths(packed: PackedWeight, dtype: torch.dtype, device: torch.dev
         paths += [INT8PACK, INT8PACK_F32]
     elif fam == FAMILY_INT4PACK:
         paths += [INT4PACK, INT4PACK_F32]
+        if dtype == torch.float32 and native.int4_linear_ops() is not None:
+            paths.append(NATIVE_INT4)
     paths += [DEQUANT, DEQUANT_F32]
     if dtype == torch.float32:
         paths = [p for p in paths if p not in (INT8PACK_F32, INT4PACK_F32)]
@@ -261,10 +274,7 @@ def choose_path(
             if tokens <= max_tokens:
                 return path
         return DEQUANT
-    rules = _CPU_RULES.get((family(packed), dtype))
-    if rules is None:
-        return DEQUANT  # unmeasured dtype: the slow-but-correct fallback
-    for max_tokens, path in rules:
+    for max_tokens, path in cpu_rules(family(packed), dtype):  # unmeasured dtype: dequant
         if tokens <= max_tokens:
             return path
     return DEQUANT
@@ -277,8 +287,7 @@ def dispatch_paths(packed: PackedWeight, dtype: torch.dtype) -> list[str]:
         if not cuda_usable(packed.device):
             return [DEQUANT]
         return list(dict.fromkeys(path for _, path in _cuda_rules(packed, dtype)))
-    rules = _CPU_RULES.get((family(packed), dtype), ((_INF, DEQUANT),))
-    return list(dict.fromkeys(path for _, path in rules))
+    return list(dict.fromkeys(path for _, path in cpu_rules(family(packed), dtype)))
 
 
 def choose_path_cached(packed: PackedWeight, tokens: int, dtype: torch.dtype) -> str:
@@ -288,7 +297,7 @@ def choose_path_cached(packed: PackedWeight, tokens: int, dtype: torch.dtype) ->
     key = ("rules", dtype)
     rules = packed.prepared.get(key)
     if rules is None:
-        rules = packed.prepared[key] = _CPU_RULES.get((family(packed), dtype), ((_INF, DEQUANT),))
+        rules = packed.prepared[key] = cpu_rules(family(packed), dtype)
     for max_tokens, path in rules:
         if tokens <= max_tokens:
             return path
@@ -316,6 +325,11 @@ def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
 
             def fn(x: torch.Tensor) -> torch.Tensor:
                 return op(x, w, g, sz)
+        elif path == NATIVE_INT4 and dtype == torch.float32:
+            op, (w4, sc, off), n = _native_int4_op(), _native_int4_layout(packed), packed.shape[0]
+
+            def fn(x: torch.Tensor) -> torch.Tensor:
+                return op(x, w4, sc, off, n)
         else:
 
             def fn(x: torch.Tensor) -> torch.Tensor:
@@ -328,6 +342,15 @@ def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
 # ---------------------------------------------------------------------------------------------
 # Prepared layouts (cached on the PackedWeight)
 # ---------------------------------------------------------------------------------------------
+
+
+def cpu_rules(fam: str, dtype: torch.dtype) -> tuple[tuple[float, str], ...]:
+    """``_CPU_RULES`` for a family and dtype (unmeasured: ``dequant``), the native kernel's rules
+    falling back to ``dequant_f32`` where the plugin's C++ kernels do not run."""
+    rules = _CPU_RULES.get((fam, dtype), ((_INF, DEQUANT),))
+    if any(p == NATIVE_INT4 for _, p in rules) and native.int4_linear_ops() is None:
+        rules = tuple((t, DEQUANT_F32 if p == NATIVE_INT4 else p) for t, p in rules)
+    return rules
 
 
 def _cached(packed: PackedWeight, key: tuple, build):
@@ -358,6 +381,26 @@ def _int4_scale_zeros(packed: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
         ("int4pack_scale_zeros", dtype),
         lambda: int4pack_layout.scale_zeros(packed, int4pack_group(packed), dtype),
     )
+
+
+def _native_int4_op():
+    ops = native.int4_linear_ops()
+    if ops is None:
+        raise RuntimeError(f"native_int4 does not run here: {native.why_unavailable()}")
+    return ops[1]
+
+
+def _native_int4_layout(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The codes in the native kernel's blocks, float32 scales and folded offsets."""
+
+    def build():
+        pack = native.int4_linear_ops()
+        if pack is None:
+            raise RuntimeError(f"native_int4 does not run here: {native.why_unavailable()}")
+        offsets = None if packed.offsets is None else packed.offsets.float()
+        return pack[0](packed.codes(), packed.scales.float(), offsets)
+
+    return _cached(packed, ("native_int4",), build)
 
 
 def _dequant_params(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -405,6 +448,8 @@ def prepare(packed: PackedWeight, dtype: torch.dtype, path: str | None = None) -
             _int4_scale_zeros(packed, torch.float32)
         elif p == DEQUANT_F32:
             _dequant_params(packed)
+        elif p == NATIVE_INT4:
+            _native_int4_layout(packed)
         elif p in CUDA_LIBRARY_PATHS:  # packing, and GemLite's module, at load, not at a call
             cuda_library.kernel(p, packed, dtype)
 
@@ -457,6 +502,10 @@ def _run(path: str, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         return F.linear(x, dequantize(packed, x.dtype))
     if path == DEQUANT_F32:
         return _dequant_f32(x, packed)
+    if path == NATIVE_INT4:
+        w, sc, off = _native_int4_layout(packed)
+        y = _native_int4_op()(x.to(torch.float32).contiguous(), w, sc, off, packed.shape[0])
+        return y.to(x.dtype)
     if path == TRITON:
         from vllm_adaptive.kernels.triton_packed import packed_matmul
 

@@ -3,8 +3,9 @@
 Only where no library kernel serves (``csrc/``): decode and prefill attention over vLLM's CPU
 paged cache with the per-slot depth mask, which vLLM's CPU op cannot express; the fp16
 gear's linear at a few rows, where FBGEMM's fp16 GEMM streams the weights slower than the core
-can; and weight-only int8 at a few rows for float32 activations, which no library kernel here
-computes without quantizing the activations (docs/float32-kernels.md). Built with torch's C++
+can; and weight-only int8 and 4-bit group weights at a few rows for float32 activations,
+which no library kernel here computes without quantizing the activations or running 6-55x
+slower than in bf16 (docs/float32-kernels.md). Built with torch's C++
 extension loader for this CPU (``-march=native``) on first use, into
 ``$ADAPTIVE_CACHE/extensions/<name>-<digest>/``; the digest covers the sources, the flags,
 torch's version and the CPU's ISA, so a cache shared between machines never loads a foreign
@@ -50,7 +51,13 @@ def enabled() -> bool:
 
 
 #: the library's translation units (one per op, compiled in parallel) and what they include
-SOURCES = ("masked_decode.cpp", "masked_prefill.cpp", "fp16_linear.cpp", "int8_linear.cpp")
+SOURCES = (
+    "masked_decode.cpp",
+    "masked_prefill.cpp",
+    "fp16_linear.cpp",
+    "int8_linear.cpp",
+    "int4_linear.cpp",
+)
 HEADERS = ("masked_common.h",)
 
 
@@ -157,6 +164,15 @@ def int8_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]
     return ops.int8_pack, ops.int8_linear
 
 
+def int4_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]] | None:
+    """``(int4_pack, int4_linear)`` from ``torch.ops.vllm_adaptive_native`` where built and the
+    CPU has AVX2 and FMA, else None."""
+    if not {"avx2", "fma"} <= cpu_flags() or not ensure_built():
+        return None
+    ops = getattr(torch.ops, NAMESPACE)
+    return ops.int4_pack, ops.int4_linear
+
+
 def geared_fp16_linear_op() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.vllm_adaptive_native.geared_fp16_linear`` (the fp16 gear's linear as a
     compiled graph calls it: csrc/fp16_linear.cpp) with its fake kernel registered, where the
@@ -195,6 +211,7 @@ __all__ = [
     "ensure_built",
     "fp16_linear_ops",
     "geared_fp16_linear_op",
+    "int4_linear_ops",
     "int8_linear_ops",
     "is_cached",
     "masked_decode_op",

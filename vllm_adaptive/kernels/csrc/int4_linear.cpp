@@ -1,0 +1,233 @@
+// Linear layers over 4-bit weights in groups of K (a float32 scale and offset per output column
+// and group: w = c * scale + offset, c in [-8, 7]) with float32 activations, for the few rows
+// of a decode or verification step.
+//
+// The default model's checkpoint comes from a Q4_1 GGUF: its weights already lie on a 4-bit
+// asymmetric grid of 32-input groups, which this format holds with no further loss, in 0.75
+// bytes a weight (codes 0.5, scale and offset 0.25) where float16 takes 2. At a few rows a step
+// is a stream of the weights (fp16_linear.cpp); the layout and loop are the same: a block of 32
+// output columns is K consecutive 16-byte rows ([N/32][K][16], byte j holding column j in its
+// low nibble and column j + 16 in its high one, as c + 8), read once for up to 8 rows (AVX512;
+// 2 on AVX2) with a prefetch 4 KiB ahead, on 2 MiB pages. Each 16 codes become float32 with one
+// widening, a mask or a shift, one conversion and one FMA with their group's scale and offset.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <sys/mman.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <tuple>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 32;        // output columns per block
+constexpr int64_t kBytes = 16;       // bytes per k of a block: two codes a byte
+constexpr int64_t kPrefetch = 4096;  // bytes ahead
+constexpr size_t kPage = size_t(2) << 20;
+
+#if defined(__AVX512F__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 2;
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kSupported = true;
+#else
+constexpr bool kSupported = false;
+#endif
+
+// y[r, 0:cols] = sum_k x[r, k] * (u[k, :] * scale[k / group, :] + offset'[k / group, :]) for one
+// block, u = c + 8 the stored nibble and offset' = offset - 8 * scale (folded at packing)
+#if defined(__AVX512F__)
+template <int R>
+void block(const float* x, int64_t ldx, int64_t K, int64_t group, const uint8_t* w,
+           const float* s, const float* o, int64_t lds, float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    const int64_t at = (k0 / group) * lds;
+    const __m512 s0 = _mm512_loadu_ps(s + at), s1 = _mm512_loadu_ps(s + at + 16);
+    const __m512 o0 = _mm512_loadu_ps(o + at), o1 = _mm512_loadu_ps(o + at + 16);
+    for (int64_t k = k0; k < k0 + group; ++k, w += kBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+      const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(u, nibble)), s0, o0);
+      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), s1, o1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+        acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      }
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int R>
+void block(const float* x, int64_t ldx, int64_t K, int64_t group, const uint8_t* w,
+           const float* s, const float* o, int64_t lds, float* y, int64_t ldy, int64_t cols) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    const int64_t at = (k0 / group) * lds;
+    for (int64_t k = k0; k < k0 + group; ++k, w += kBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+      const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+      const __m256i b =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
+      // columns 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles)
+      const __m256i u[4] = {_mm256_and_si256(a, nibble), _mm256_and_si256(b, nibble),
+                            _mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4)};
+      __m256 wj[4];
+      for (int j = 0; j < 4; ++j)
+        wj[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u[j]), _mm256_loadu_ps(s + at + 8 * j),
+                                _mm256_loadu_ps(o + at + 8 * j));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_set1_ps(x[r * ldx + k]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(xr, wj[j], acc[r][j]);
+      }
+    }
+  }
+  alignas(32) float tmp[kCols];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(tmp + 8 * j, acc[r][j]);
+    std::copy(tmp, tmp + cols, y + r * ldy);
+  }
+}
+#endif
+
+template <int R>
+void rows_of_block(const float* x, int64_t ldx, int64_t K, int64_t group, const uint8_t* w,
+                   const float* s, const float* o, int64_t lds, float* y, int64_t ldy,
+                   int64_t cols, int64_t rows) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (R > 1) {
+    if (rows < R)
+      return rows_of_block<R - 1>(x, ldx, K, group, w, s, o, lds, y, ldy, cols, rows);
+  }
+  block<R>(x, ldx, K, group, w, s, o, lds, y, ldy, cols);
+#endif
+}
+
+// codes [N, K] int8 in [-8, 7], scales [N, G] and offsets [N, G] (absent: 0) for G groups of
+// K / G inputs -> (the codes as [N/32][K][16] on 2 MiB pages, scales [G, N/32 * 32] and folded
+// offsets [G, N/32 * 32], float32, zero-padded)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& codes,
+                                                         const at::Tensor& scales,
+                                                         const std::optional<at::Tensor>& offsets) {
+  TORCH_CHECK(kSupported, "int4_pack: this build has no AVX2 / FMA (built without them)");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar,
+              "int4_pack: the codes must be a 2-D int8 tensor, got ", codes.scalar_type(),
+              " with ", codes.dim(), " dims");
+  const at::Tensor c = codes.contiguous();
+  const int64_t N = c.size(0), K = c.size(1);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) >= 1 &&
+                  K % scales.size(1) == 0,
+              "int4_pack: scales must be [N, G] with N = ", N, " and G dividing K = ", K,
+              ", got ", scales.sizes());
+  TORCH_CHECK(!offsets.has_value() || offsets->sizes() == scales.sizes(),
+              "int4_pack: offsets must have the scales' shape ", scales.sizes());
+  TORCH_CHECK(c.numel() == 0 || (c.min().item<int8_t>() >= -8 && c.max().item<int8_t>() <= 7),
+              "int4_pack: codes must lie in [-8, 7]");
+  const int64_t G = scales.size(1);
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  const size_t bytes = size_t(blocks) * K * kBytes;
+  const size_t alloc = std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
+  void* mem = std::aligned_alloc(kPage, alloc);
+  TORCH_CHECK(mem != nullptr, "int4_pack: could not allocate ", alloc, " bytes");
+  madvise(mem, alloc, MADV_HUGEPAGE);  // a hint: without transparent huge pages it does nothing
+  auto* dst = static_cast<uint8_t*>(mem);
+  const int8_t* src = c.data_ptr<int8_t>();
+  auto nib = [&](int64_t n, int64_t k) -> uint8_t {
+    return n < N ? static_cast<uint8_t>(src[n * K + k] + 8) : 8;  // padding: c = 0
+  };
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t* out = dst + b * K * kBytes;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < kBytes; ++j)
+          out[k * kBytes + j] = nib(b * kCols + j, k) | (nib(b * kCols + j + 16, k) << 4);
+    }
+  });
+  at::Tensor packed = at::from_blob(
+      mem, {blocks, K, kBytes}, [](void* p) { std::free(p); },
+      at::TensorOptions().dtype(at::kByte));
+  const at::Tensor s32 = scales.to(at::kFloat);
+  const at::Tensor o32 = offsets.has_value() ? offsets->to(at::kFloat) : at::zeros_like(s32);
+  at::Tensor sp = at::zeros({G, blocks * kCols}, s32.options());
+  at::Tensor op = at::zeros({G, blocks * kCols}, s32.options());
+  sp.narrow(1, 0, N).copy_(s32.t());
+  op.narrow(1, 0, N).copy_((o32 - 8.0 * s32).t());
+  return {packed, sp, op};
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t out_features) {
+  TORCH_CHECK(kSupported, "int4_linear: this build has no AVX2 / FMA (built without them)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte &&
+                  packed.size(2) == kBytes && packed.is_contiguous(),
+              "int4_linear: packed must come from int4_pack");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "int4_linear: x has ", K, " features, the weight ",
+              packed.size(1));
+  TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols,
+              "int4_linear: out_features ", out_features, " does not match ", blocks,
+              " blocks of ", kCols);
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(1) == blocks * kCols && scales.size(0) >= 1 &&
+                  K % scales.size(0) == 0 && offsets.sizes() == scales.sizes() &&
+                  offsets.scalar_type() == at::kFloat && offsets.is_contiguous(),
+              "int4_linear: scales and offsets must come from int4_pack with the codes");
+  const int64_t group = K / scales.size(0), lds = blocks * kCols;
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min(kCols, out_features - b * kCols);
+      const uint8_t* w = wp + b * K * kBytes;
+      for (int64_t r = 0; r < M; r += kRows) {
+        rows_of_block<kRows>(xp + r * K, K, K, group, w, sp + b * kCols, op + b * kCols, lds,
+                             yp + r * out_features + b * kCols, out_features, cols,
+                             std::min<int64_t>(kRows, M - r));
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
+  m.def("int4_pack(Tensor codes, Tensor scales, Tensor? offsets) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int out_features) -> "
+      "Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) {
+  m.impl("int4_pack", &int4_pack);
+  m.impl("int4_linear", &int4_linear);
+}
