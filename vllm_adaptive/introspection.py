@@ -94,23 +94,37 @@ def worker_report(model: Any) -> dict[str, Any]:
 
 def kernel_dispatch(model: Any) -> dict[str, Any]:
     """The float-activation kernels this worker measured and picked per format, shape and
-    token-count bucket, and the machine they were measured on (``kernels/autotune.py``)."""
+    token-count bucket, and the machine they were measured on (``kernels/autotune.py``); for
+    packed (int4 / int2 / int8) tiers, the paths their rules take per row count
+    (``kernels/matmul.py``)."""
     from vllm_adaptive.kernels import autotune
-    from vllm_adaptive.kernels.weights import HALF_DTYPES, half_call
+    from vllm_adaptive.kernels.packed import PackedWeight
+    from vllm_adaptive.kernels.weights import HALF_DTYPES, half_call, kernel_name
 
     half: dict[str, int] = {}  # precision -> geared linears whose bf16 rows run the AMX GEMM
+    packed: dict[str, dict[str, list[str]]] = {}  # precision -> rows -> paths taken
     controller = getattr(model, "precision", None)
     for g in getattr(controller, "geared", None) or ():
-        if g.layer.weight.dtype not in HALF_DTYPES:
-            continue
+        dtype = g.layer.weight.dtype
         for precision, tier in g.tiers.tiers.items():
-            if tier is not None and half_call(tier) is not None:
+            if isinstance(tier, PackedWeight):
+                rows = packed.setdefault(precision, {})
+                for m in PACKED_ROWS:
+                    path = kernel_name(tier, m, dtype)
+                    if path not in rows.setdefault(str(m), []):
+                        rows[str(m)].append(path)
+            if dtype in HALF_DTYPES and tier is not None and half_call(tier) is not None:
                 half[precision] = half.get(precision, 0) + 1
     return {
         "machine": autotune.cpu_info(),
         "dispatch": autotune.table().summary(),
         "amx_int8_linears": half,
+        "packed_paths": packed,
     }
+
+
+#: row counts :func:`kernel_dispatch` reports packed tiers' paths for
+PACKED_ROWS = (1, 8, 16, 32, 256)
 
 
 def draft_gears(model: Any) -> dict[str, Any]:

@@ -420,12 +420,12 @@ def test_dispatch_differs_between_one_token_and_many(make, small, large):
 
 def test_float32_activations_never_take_the_float32_kernels():
     # measured 6-55x slower than the bf16 kernels on the project's AVX2 CPU; 4-bit weights take
-    # the plugin's native kernel at a decode step's rows where it is built
+    # the plugin's native kernel where it is built (faster than dequant_f32 at 1-512 tokens)
     w = _weight(48, 256)
     for p in (quantize(w, 8), quantize(w, 4, 32), quantize(w, 8, 32)):
-        for tokens in (1, 8, 64):
+        for tokens in (1, 8, 64, 512):
             want = mm.DEQUANT_F32
-            if p.bits == 4 and tokens <= mm.NATIVE_INT4_ROWS and native.int4_linear_ops():
+            if p.bits == 4 and native.int4_linear_ops():
                 want = mm.NATIVE_INT4
             assert mm.choose_path(p, tokens, torch.float32, "cpu") == want
 
@@ -511,3 +511,33 @@ def test_all_zero_rows_use_the_gearbx_scale_floor(scale_dtype, floor, symmetric)
     d = dequantize(p)
     assert bool(torch.isfinite(d).all())
     assert float(d[3].abs().max()) <= floor * 8
+
+
+def test_native_int4_dispatch_is_measured_on_the_machine(tmp_path, monkeypatch) -> None:
+    """A float32 4-bit weight times ``native_int4`` against ``dequant_f32`` per token-count
+    bucket (cached like the float formats' table); calls follow the measurement, and row
+    counts past twice the last bucket (prefill) the static rules. Autotuning off keeps them."""
+    from vllm_adaptive.kernels import autotune
+    from vllm_adaptive.kernels.weights import autotune_weight, kernel_name
+
+    if native.int4_linear_ops() is None:
+        pytest.skip("the native kernels do not build here: the static rules apply")
+    monkeypatch.setattr(autotune, "CELL_SECONDS", 0.005)
+    monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
+    table = autotune.DispatchTable(tmp_path / "t.json")
+    monkeypatch.setattr(autotune, "_TABLE", table)
+    p = quantize(_weight(64, 256), 4, 32, symmetric=False)
+    autotune_weight(p, 8, torch.float32)
+    (key,) = table.entries
+    assert key == "int4-g32-asymmetric:64x256"
+    best = table.measured_bests(key)
+    assert sorted(best) == [1, 2, 4, 8] and set(best.values()) <= {mm.NATIVE_INT4, mm.DEQUANT_F32}
+    for rows, bucket in ((1, 1), (3, 2), (7, 4), (15, 8)):
+        assert kernel_name(p, rows, torch.float32) == best[bucket], rows
+    assert kernel_name(p, 16, torch.float32) == mm.cpu_rules(mm.family(p), torch.float32)[-1][1]
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(mm.matmul(x, p), F.linear(x, dequantize(p)), rtol=1e-4, atol=1e-5)
+    monkeypatch.setenv("ADAPTIVE_AUTOTUNE", "off")
+    q = quantize(_weight(32, 256), 4, 32, symmetric=False)
+    autotune_weight(q, 8, torch.float32)
+    assert kernel_name(q, 1, torch.float32) == mm.NATIVE_INT4  # the static rule

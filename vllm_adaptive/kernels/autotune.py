@@ -203,6 +203,13 @@ class DispatchTable:
         entry = self.entries.get(key)
         return entry is not None and sorted(entry.get("kernels", [])) == sorted(kernels)
 
+    def measured_bests(self, key: str) -> dict[int, str]:
+        """``{bucket: fastest kernel}`` where ``key`` was timed (empty where it was not, or
+        autotuning was off)."""
+        entry = self.entries.get(key) or {}
+        buckets = entry.get("buckets", {})
+        return {int(b): v["best"] for b, v in buckets.items() if "us" in v}
+
     def chosen(self, key: str) -> set[str]:
         """Every kernel some bucket of ``key`` runs (the layouts worth keeping)."""
         entry = self.entries.get(key)

@@ -13,9 +13,9 @@ Paths (names are what :func:`choose_path` returns and what ``path=`` forces):
   Needs bits 4 or 2, N a multiple of 16 and K a multiple of 32. Scales must be in x's dtype.
 - ``int4pack_f32``: the same on ``x.float()``, cast back.
 - ``native_int4``: the plugin's C++ kernel for float32 activations (``csrc/int4_linear.cpp``):
-  the int4 / int2 codes with their group scales and offsets streamed once for up to 8 rows, for
-  the few rows of a decode step. Needs the native kernels built (AVX2 / FMA); where they are
-  not, its rules fall back to ``dequant_f32``.
+  the int4 / int2 codes with their group scales and offsets streamed once for up to 8 rows
+  (a decode step's), an L1-resident block re-read for more (a prompt's). Needs the native
+  kernels built (AVX2 / FMA); where they are not, its rules fall back to ``dequant_f32``.
 - ``dequant``: ``F.linear(x, dequantize(packed, x.dtype))``: always correct, any device; the
   reference and the fallback.
 - ``triton``: the project's Triton kernel (:mod:`vllm_adaptive.kernels.triton_packed`), reading
@@ -124,18 +124,19 @@ _INF = float("inf")
 #   dense float32 F.linear (4096x11008: 24.7 vs 41.0 ms at 4 tokens, 48.3 vs 86.1 ms at 32;
 #   4096x4096: 7.6 vs 8.4 ms at 4 tokens but 18.9 vs 13.0 ms at 8).
 # float32, int4 / int2 (int4pack family), 2026-11-29 on an Ice Lake Xeon (AVX512, one thread):
-#   the plugin's native_int4 kernel where it is built (else dequant_f32), up to NATIVE_INT4_ROWS
-#   tokens. A whole step's linears of the default model, cold (docs/experiments/fp16_stream.py):
-#   see docs/float32-kernels.md, "4-bit weights at a decode step's rows".
+#   the plugin's native_int4 kernel where it is built (else dequant_f32) at every token count:
+#   3072x576 g32, warm, ms a call at 16 / 64 / 128 / 512 tokens: native 0.7 / 2.3 / 5.6 / 25.2
+#   against dequant_f32 9.6 / 13.7 / 13.5 / 30.9 (which dequantizes the weight every call).
+#   Engines measure it again on their machine up to 64 tokens (weights.autotune_weight), beyond
+#   that this rule stands. docs/float32-kernels.md, "Weight-only int8 and 4-bit weights".
 # ---------------------------------------------------------------------------------------------
-NATIVE_INT4_ROWS = 16
 
 _CPU_RULES: dict[tuple[str, torch.dtype], tuple[tuple[float, str], ...]] = {
     (FAMILY_INT8_ROW, torch.bfloat16): ((16, INT8PACK), (_INF, DEQUANT_F32)),
     (FAMILY_INT4PACK, torch.bfloat16): ((48, INT4PACK), (_INF, DEQUANT_F32)),
     (FAMILY_DEQUANT, torch.bfloat16): ((_INF, DEQUANT_F32),),
     (FAMILY_INT8_ROW, torch.float32): ((_INF, DEQUANT_F32),),
-    (FAMILY_INT4PACK, torch.float32): ((NATIVE_INT4_ROWS, NATIVE_INT4), (_INF, DEQUANT_F32)),
+    (FAMILY_INT4PACK, torch.float32): ((_INF, NATIVE_INT4),),
     (FAMILY_DEQUANT, torch.float32): ((_INF, DEQUANT_F32),),
 }
 
@@ -351,6 +352,31 @@ def cpu_rules(fam: str, dtype: torch.dtype) -> tuple[tuple[float, str], ...]:
     if any(p == NATIVE_INT4 for _, p in rules) and native.int4_linear_ops() is None:
         rules = tuple((t, DEQUANT_F32 if p == NATIVE_INT4 else p) for t, p in rules)
     return rules
+
+
+def measured_candidates(packed: PackedWeight, dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths dispatch times on this machine for this weight and activation dtype (the
+    plugin's native kernel against the library path it replaces); empty where the static rules
+    stand."""
+    if (
+        packed.device.type == "cpu"
+        and dtype == torch.float32
+        and family(packed) == FAMILY_INT4PACK
+        and native.int4_linear_ops() is not None
+    ):
+        return (NATIVE_INT4, DEQUANT_F32)
+    return ()
+
+
+def use_measured_rules(packed: PackedWeight, dtype: torch.dtype, best: dict[int, str]) -> None:
+    """Dispatch this weight by measurement: ``best`` maps each measured token-count bucket to
+    its fastest path; a call takes the largest bucket at or below its token count, and counts
+    beyond twice the last bucket follow the static rules (prefill rows)."""
+    buckets = sorted(best)
+    rules = [(nxt - 1, best[b]) for b, nxt in zip(buckets, buckets[1:], strict=False)]
+    rules.append((2 * buckets[-1] - 1, best[buckets[-1]]))
+    static = cpu_rules(family(packed), dtype)
+    packed.prepared[("rules", dtype)] = (*rules, (_INF, static[-1][1]))
 
 
 def _cached(packed: PackedWeight, key: tuple, build):

@@ -19,7 +19,12 @@ import torch
 
 from vllm_adaptive.kernels import autotune
 from vllm_adaptive.kernels.float_linear import Fp16Weight, W8A8Weight, W8A16Weight
-from vllm_adaptive.kernels.matmul import bound_kernel, choose_path_cached
+from vllm_adaptive.kernels.matmul import (
+    bound_kernel,
+    choose_path_cached,
+    measured_candidates,
+    use_measured_rules,
+)
 from vllm_adaptive.kernels.packed import DoubleQuantizationWarning, PackedWeight, quantize
 
 Weight = PackedWeight | Fp16Weight | W8A8Weight | W8A16Weight
@@ -68,16 +73,31 @@ def precision_of(weight: Weight) -> str:
     return f"int{weight.bits}"
 
 
-def autotune_weight(weight: Weight, max_tokens: int = autotune.BUCKETS[-1]) -> None:
-    """Measure a float-activation weight's kernels on this machine (once per format and shape;
-    packed weights follow the rules of :mod:`vllm_adaptive.kernels.matmul`)."""
+def autotune_weight(
+    weight: Weight, max_tokens: int = autotune.BUCKETS[-1], dtype: torch.dtype = torch.float32
+) -> None:
+    """Measure a weight's kernels for ``dtype`` activations on this machine (once per format
+    and shape): the float-activation formats' kernels, and packed weights' native kernel
+    against the path it replaces where one exists (else :mod:`vllm_adaptive.kernels.matmul`'s
+    static rules)."""
+    table = autotune.table()
     if isinstance(weight, FLOAT_FORMATS):
         key = dispatch_key(precision_of(weight), weight)
-        table = autotune.table()
         if not table.knows(key, weight.kernels()):
             kernels = {name: weight.bind(name) for name in weight.kernels()}
             table.ensure(key, kernels, weight.shape[1], max_tokens=max_tokens)
         weight.keep_only(table.chosen(key))
+        return
+    paths = measured_candidates(weight, dtype)
+    if paths:
+        n, k = weight.shape
+        key = f"{weight.describe().replace(' ', '-')}:{n}x{k}"
+        if not table.knows(key, paths):
+            kernels = {p: bound_kernel(weight, p, dtype) for p in paths}
+            table.ensure(key, kernels, k, dtype=dtype, max_tokens=max_tokens)
+        best = table.measured_bests(key)
+        if best:
+            use_measured_rules(weight, dtype, best)
 
 
 def kernel_name(weight: Weight, tokens: int, dtype: torch.dtype) -> str:

@@ -127,7 +127,7 @@ class GearedLinear:
         for tier in self.tiers.tiers.values():
             if tier is None or (half and half_call(tier) is not None):
                 continue  # bf16 rows of this tier run its one half-precision kernel
-            autotune_weight(tier, max_tokens)
+            autotune_weight(tier, max_tokens, self.layer.weight.dtype)
 
     def run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
         bias = self.layer.bias
