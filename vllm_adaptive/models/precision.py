@@ -75,7 +75,8 @@ def install_precision(
         logger.warning(
             "vllm-adaptive: %s already lies on a coarse grid (%.0f%% of groups hold <= 16 "
             "values): the checkpoint was quantized before; re-quantizing compounds the error "
-            "(GEARBX 6.4 double quantization)",
+            "(GEARBX 6.4 double quantization) unless a gear's grid is the checkpoint's own "
+            '(a Q4_1 GGUF source: int4 with "symmetric": false and group_size 32)',
             first_name,
             100 * coarse,
         )
