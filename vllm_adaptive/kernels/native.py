@@ -58,7 +58,7 @@ SOURCES = (
     "int8_linear.cpp",
     "int4_linear.cpp",
 )
-HEADERS = ("masked_common.h",)
+HEADERS = ("masked_common.h", "blocked_weight.h")
 
 
 def build_digest(files: list[Path]) -> str:

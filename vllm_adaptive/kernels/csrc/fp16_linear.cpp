@@ -12,7 +12,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <sys/mman.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -20,15 +19,16 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+
+#include "blocked_weight.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kCols = 32;           // output columns per block: one 64-byte line per k
-constexpr int64_t kPrefetch = 2048;     // elements ahead (4 KiB, 64 lines)
-constexpr size_t kPage = size_t(2) << 20;
+using blocked_weight::kCols;           // one 64-byte line per k
+constexpr int64_t kPrefetch = 2048;  // elements ahead (4 KiB, 64 lines)
 
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // 16 accumulators of 16 lanes
@@ -110,12 +110,8 @@ at::Tensor fp16_pack(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t blocks = (N + kCols - 1) / kCols;
-  const size_t bytes = size_t(blocks) * K * kCols * sizeof(uint16_t);
-  const size_t alloc = std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
-  void* mem = std::aligned_alloc(kPage, alloc);
-  TORCH_CHECK(mem != nullptr, "fp16_pack: could not allocate ", alloc, " bytes");
-  madvise(mem, alloc, MADV_HUGEPAGE);  // a hint: without transparent huge pages it does nothing
-  auto* dst = static_cast<uint16_t*>(mem);
+  at::Tensor packed = blocked_weight::on_huge_pages({blocks, K, kCols}, at::kShort, "fp16_pack");
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::Half>());
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -127,9 +123,7 @@ at::Tensor fp16_pack(const at::Tensor& weight) {
       }
     }
   });
-  return at::from_blob(
-      mem, {blocks, K, kCols}, [](void* p) { std::free(p); },
-      at::TensorOptions().dtype(at::kShort));
+  return packed;
 }
 
 at::Tensor fp16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
@@ -142,9 +136,7 @@ at::Tensor fp16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "fp16_linear: x has ", K, " features, the weight ",
               packed.size(1));
-  TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols,
-              "fp16_linear: out_features ", out_features, " does not match ", blocks,
-              " blocks of ", kCols);
+  blocked_weight::check_out_features("fp16_linear", out_features, blocks);
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();

@@ -20,7 +20,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <sys/mman.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,16 +28,17 @@
 #include <optional>
 #include <tuple>
 #include <vector>
+
+#include "blocked_weight.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kCols = 32;        // output columns per block
+using blocked_weight::kCols;
 constexpr int64_t kBytes = 16;       // bytes per k of a block: two codes a byte
 constexpr int64_t kPrefetch = 4096;  // bytes ahead
-constexpr size_t kPage = size_t(2) << 20;
 
 #if defined(__AVX512F__)
 constexpr int kRows = 8;
@@ -188,12 +188,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& codes
               "int4_pack: codes must lie in [-8, 7]");
   const int64_t G = scales.size(1);
   const int64_t blocks = (N + kCols - 1) / kCols;
-  const size_t bytes = size_t(blocks) * K * kBytes;
-  const size_t alloc = std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
-  void* mem = std::aligned_alloc(kPage, alloc);
-  TORCH_CHECK(mem != nullptr, "int4_pack: could not allocate ", alloc, " bytes");
-  madvise(mem, alloc, MADV_HUGEPAGE);  // a hint: without transparent huge pages it does nothing
-  auto* dst = static_cast<uint8_t*>(mem);
+  at::Tensor packed = blocked_weight::on_huge_pages({blocks, K, kBytes}, at::kByte, "int4_pack");
+  uint8_t* dst = packed.data_ptr<uint8_t>();
   const int8_t* src = c.data_ptr<int8_t>();
   auto nib = [&](int64_t n, int64_t k) -> uint8_t {
     return n < N ? static_cast<uint8_t>(src[n * K + k] + 8) : 8;  // padding: c = 0
@@ -206,9 +202,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& codes
           out[k * kBytes + j] = nib(b * kCols + j, k) | (nib(b * kCols + j + 16, k) << 4);
     }
   });
-  at::Tensor packed = at::from_blob(
-      mem, {blocks, K, kBytes}, [](void* p) { std::free(p); },
-      at::TensorOptions().dtype(at::kByte));
   const at::Tensor s32 = scales.to(at::kFloat);
   const at::Tensor o32 = offsets.has_value() ? offsets->to(at::kFloat) : at::zeros_like(s32);
   at::Tensor sp = at::zeros({G, blocks * kCols}, s32.options());
@@ -229,9 +222,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "int4_linear: x has ", K, " features, the weight ",
               packed.size(1));
-  TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols,
-              "int4_linear: out_features ", out_features, " does not match ", blocks,
-              " blocks of ", kCols);
+  blocked_weight::check_out_features("int4_linear", out_features, blocks);
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.size(1) == blocks * kCols && scales.size(0) >= 1 &&
                   K % scales.size(0) == 0 && offsets.sizes() == scales.sizes() &&

@@ -12,22 +12,22 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <sys/mman.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <tuple>
+
+#include "blocked_weight.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t kCols = 32;        // output columns per block: one 32-byte row per k
+using blocked_weight::kCols;           // one 32-byte row per k
 constexpr int64_t kPrefetch = 4096;  // bytes ahead
-constexpr size_t kPage = size_t(2) << 20;
 
 #if defined(__AVX512F__)
 constexpr int kRows = 8;
@@ -147,12 +147,8 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes, const at::
   const int64_t G = s2.size(0);
   TORCH_CHECK(G >= 1 && K % G == 0, "int8_pack: ", G, " scale groups do not divide K = ", K);
   const int64_t blocks = (N + kCols - 1) / kCols;
-  const size_t bytes = size_t(blocks) * K * kCols;
-  const size_t alloc = std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
-  void* mem = std::aligned_alloc(kPage, alloc);
-  TORCH_CHECK(mem != nullptr, "int8_pack: could not allocate ", alloc, " bytes");
-  madvise(mem, alloc, MADV_HUGEPAGE);  // a hint: without transparent huge pages it does nothing
-  auto* dst = static_cast<int8_t*>(mem);
+  at::Tensor packed = blocked_weight::on_huge_pages({blocks, K, kCols}, at::kChar, "int8_pack");
+  int8_t* dst = packed.data_ptr<int8_t>();
   const int8_t* src = c.data_ptr<int8_t>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -164,9 +160,6 @@ std::tuple<at::Tensor, at::Tensor> int8_pack(const at::Tensor& codes, const at::
       }
     }
   });
-  at::Tensor packed = at::from_blob(
-      mem, {blocks, K, kCols}, [](void* p) { std::free(p); },
-      at::TensorOptions().dtype(at::kChar));
   at::Tensor padded = at::zeros({G, blocks * kCols}, s2.options());
   padded.narrow(1, 0, N).copy_(s2);
   return {packed, padded};
@@ -183,9 +176,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "int8_linear: x has ", K, " features, the weight ",
               packed.size(1));
-  TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols,
-              "int8_linear: out_features ", out_features, " does not match ", blocks,
-              " blocks of ", kCols);
+  blocked_weight::check_out_features("int8_linear", out_features, blocks);
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.size(1) == blocks * kCols && scales.size(0) >= 1 &&
                   K % scales.size(0) == 0,

@@ -1,0 +1,37 @@
+// What the plugin's linears over blocked weights share (fp16_linear.cpp, int8_linear.cpp,
+// int4_linear.cpp): blocks of 32 output columns, each stored as K consecutive rows so that a
+// step reads the weight front to back once, and the packed weight on 2 MiB pages.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+
+namespace blocked_weight {
+
+constexpr int64_t kCols = 32;  // output columns per block
+constexpr size_t kPage = size_t(2) << 20;
+
+// An uninitialised tensor on 2 MiB pages, freed with the tensor: a weight streamed every step
+// on 4 KiB pages touches one page (and a TLB miss) every 4 KiB.
+inline at::Tensor on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype, const char* who) {
+  int64_t numel = 1;
+  for (const int64_t s : sizes) numel *= s;
+  const size_t bytes = size_t(numel) * at::elementSize(dtype);
+  const size_t alloc = std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
+  void* mem = std::aligned_alloc(kPage, alloc);
+  TORCH_CHECK(mem != nullptr, who, ": could not allocate ", alloc, " bytes");
+  madvise(mem, alloc, MADV_HUGEPAGE);  // a hint: without transparent huge pages it does nothing
+  return at::from_blob(
+      mem, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(dtype));
+}
+
+inline void check_out_features(const char* who, int64_t out_features, int64_t blocks) {
+  TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols, who,
+              ": out_features ", out_features, " does not match ", blocks, " blocks of ", kCols);
+}
+
+}  // namespace blocked_weight
