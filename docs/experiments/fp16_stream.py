@@ -5,13 +5,19 @@ served decode step reads 270 MB of fp16 weights (30 layers' qkv / o / gate_up / 
 head of SmolLM2-135M) once, from memory. This times a whole step's worth of linears at 1 to 8
 rows on one thread, per ``format:kernel`` (by default FBGEMM's fp16 GEMM against the plugin's
 ``native_fp16`` kernel; ``w8a16:native_int8`` / ``w8a16:onednn`` for int8 weights,
-``int4:native_int4`` for 4-bit group-32 asymmetric ones, the default model's grid), the kernels
+``int4:native_int4`` for 4-bit group-32 asymmetric ones, the default model's grid;
+``dense:linear`` is F.linear on the weight in the activations' dtype, ``dense:onednn`` stock
+vLLM's own CPU GEMM on CPUs without AMX), the kernels
 interleaved per round, and the machine's single-thread read bandwidth for scale. Speed-ups are
-over the first kernel named.
+over the first kernel named. ``--dtype bfloat16`` times a bf16 engine's step: packed formats
+take bf16 rows on their bf16 paths (``int4:int4pack``, ``int4:native_int4``), float32-only
+kernels get their rows cast to float32 and back, as the plugin's geared linear does.
 
     .venv/bin/python docs/experiments/fp16_stream.py --rounds 5 --out docs/data/fp16-stream-icx.json
     .venv/bin/python docs/experiments/fp16_stream.py --kernels fp16:native_fp16 \
         w8a16:native_int8 w8a16:onednn int4:native_int4 --out docs/data/lowbit-stream-icx.json
+    .venv/bin/python docs/experiments/fp16_stream.py --dtype bfloat16 --kernels dense:linear \
+        int4:int4pack int4:native_int4 w8a16:native_int8
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def main() -> None:
         default=["fp16:fbgemm_fp16", "fp16:native_fp16"],
         help="format:kernel pairs, the first is the reference of the speed-ups",
     )
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -51,8 +58,11 @@ def main() -> None:
     from vllm_adaptive.kernels.weights import quantize_weight
 
     kernel_ops.provide()  # vLLM's oneDNN int8 GEMM for w8a16:onednn
+    import torch.nn.functional as F
+    from vllm import _custom_ops as vllm_ops
 
     torch.set_num_threads(1)
+    act = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(args.layers) for s in LAYER] + [HEAD]
     kernels = list(args.kernels)
@@ -61,17 +71,31 @@ def main() -> None:
     for shape in shapes:
         w32 = torch.randn(shape, generator=gen) * 0.02
         for fmt in formats:
+            if fmt == "dense":
+                w = w32.to(act)
+                for k in kernels:
+                    if k == "dense:linear":
+                        calls[k].append((lambda x, w=w: F.linear(x, w), shape[1]))
+                    elif k == "dense:onednn":  # stock vLLM's CPU GEMM without AMX
+                        h = vllm_ops.create_onednn_mm(w.t(), 32)
+                        calls[k].append((lambda x, h=h: vllm_ops.onednn_mm(h, x, None), shape[1]))
+                continue
             w = quantize_weight(w32, fmt, 32, symmetric=False)  # int4: the Q4_1 grid
             for k in kernels:
                 if k.startswith(fmt + ":"):
                     name = k.split(":")[1]
-                    packed = not hasattr(w, "bind")
-                    fn = bound_kernel(w, name, torch.float32) if packed else w.bind(name)
+                    if not hasattr(w, "bind"):  # a packed weight: its path for these rows
+                        fn = bound_kernel(w, name, act)
+                    elif act == torch.float32:
+                        fn = w.bind(name)
+                    else:  # float32-only kernels on a bf16 engine: rows cast in and out
+                        fn = (lambda f: lambda x: f(x.float()).to(act))(w.bind(name))
                     calls[k].append((fn, shape[1]))
     params = sum(n * k for n, k in shapes)
-    per_param = {"fp16": 2.0, "int4": 0.5 + 8 / 32}  # int4: codes, float32 scale and offset
+    # int4: codes, float32 scale and offset; dense: the activations' dtype
+    per_param = {"fp16": 2.0, "int4": 0.5 + 8 / 32, "dense": act.itemsize}
     mb = {k: params * per_param.get(k.split(":")[0], 1.0) / 1e6 for k in kernels}
-    xs = {m: {k: torch.randn(m, k, generator=gen) for k in (576, 1536)} for m in args.rows}
+    xs = {m: {k: torch.randn(m, k, generator=gen).to(act) for k in (576, 1536)} for m in args.rows}
 
     def step(kernel: str, m: int) -> float:
         t0 = time.perf_counter()
@@ -113,6 +137,7 @@ def main() -> None:
         machine.pop("cpu_flags", None)
         out = {
             "machine": machine | {"torch": torch.__version__, "threads": 1},
+            "activations": args.dtype,
             "weights_mb": {k: round(v, 1) for k, v in mb.items()},
             "layers": args.layers,
             "rounds": args.rounds,
