@@ -96,7 +96,7 @@ def kernel_dispatch(model: Any) -> dict[str, Any]:
     """The float-activation kernels this worker measured and picked per format, shape and
     token-count bucket, and the machine they were measured on (``kernels/autotune.py``); for
     packed (int4 / int2 / int8) tiers, the paths their rules take per row count
-    (``kernels/matmul.py``)."""
+    (``kernels/matmul.py``; ``full``: the layer's own weight, measured faster at those rows)."""
     from vllm_adaptive.kernels import autotune
     from vllm_adaptive.kernels.packed import PackedWeight
     from vllm_adaptive.kernels.weights import HALF_DTYPES, half_call, kernel_name
@@ -109,8 +109,9 @@ def kernel_dispatch(model: Any) -> dict[str, Any]:
         for precision, tier in g.tiers.tiers.items():
             if isinstance(tier, PackedWeight):
                 rows = packed.setdefault(precision, {})
+                full_from = g.full_from.get(precision, 1 << 62)
                 for m in PACKED_ROWS:
-                    path = kernel_name(tier, m, dtype)
+                    path = "full" if m >= full_from else kernel_name(tier, m, dtype)
                     if path not in rows.setdefault(str(m), []):
                         rows[str(m)].append(path)
             if dtype in HALF_DTYPES and tier is not None and half_call(tier) is not None:

@@ -3,8 +3,9 @@
 
 The default model's decoder weights come from a Q4_1 GGUF, whose grid this gear reproduces: on
 held-out text it kept teacher-forced agreement 0.995 with stock float32 and 64 free-running
-tokens identical (docs/precision.md). Here: decode and prompt rows take ``native_int4``
-wherever the C++ kernels build, and the gear follows stock float32's own greedy text. (The grid
+tokens identical (docs/precision.md). Here: decode rows take ``native_int4`` wherever the C++
+kernels build (prompt rows too, or the layer's float weight where it measured faster at those
+rows), and the gear follows stock float32's own greedy text. (The grid
 is what makes it close: on a real layer the asymmetric g32 grid leaves 0.14% relative error and
 a symmetric one over 5%, tests/unit/test_packed.py; W8A16's per-row int8 kept 0.23 of 64
 free-running tokens on held-out text.)
@@ -46,7 +47,7 @@ def _greedy(n: int, **extra):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, extra_args=extra)
 
 
-def test_decode_and_prompt_rows_run_the_native_4bit_kernel(llm) -> None:
+def test_decode_rows_run_the_native_4bit_kernel(llm) -> None:
     from vllm_adaptive.environment import cpu_flags
     from vllm_adaptive.introspection import kernel_dispatch
 
@@ -54,7 +55,8 @@ def test_decode_and_prompt_rows_run_the_native_4bit_kernel(llm) -> None:
     paths = info["packed_paths"]["int4"]
     built = shutil.which("c++") is not None and {"avx2", "fma"} <= cpu_flags()
     want = ["native_int4"] if built else ["dequant_f32"]
-    assert paths["1"] == want and paths["256"] == want, paths
+    assert paths["1"] == want, paths
+    assert set(paths["256"]) <= {*want, "full"}, paths  # full: measured faster at those rows
     if built:  # measured against dequant_f32 on this machine up to 64 rows
         assert any(k.startswith("int4-g32-asymmetric:") for k in info["dispatch"]), info
 

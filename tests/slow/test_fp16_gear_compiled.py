@@ -10,28 +10,12 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import make_llm, shutdown
+from tests.support.geared_routes import clear_flags, count_python_calls, geared_routes, python_calls
 from tests.support.workloads import SPEC_PROMPTS
 
 pytestmark = pytest.mark.slow
 
 CONFIG = {"precision": {"policy": "fixed", "gear": "fp16"}}
-
-
-def geared_routes(model) -> dict[str, int]:
-    """How many geared linears the compiled graph reaches through the C++ op, and how many
-    have their fp16 flag set now (runs in the worker)."""
-    from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
-
-    methods = [
-        m.quant_method
-        for m in model.modules()
-        if isinstance(getattr(m, "quant_method", None), GearedLinearMethod)
-    ]
-    return {
-        "geared": len(methods),
-        "routed": sum(m.route is not None for m in methods),
-        "uniform_fp16": sum(int(m.geared.uniform_fp16[0]) for m in methods),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -51,61 +35,12 @@ def _text(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def count_python_calls(model) -> int:
-    """Wrap each decoder linear's Python fast call with a counter (the flag stays set: a graph
-    that reads the live flag never calls it); returns how many were wrapped."""
-    from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
-
-    wrapped = 0
-    for name, m in model.named_modules():
-        method = getattr(m, "quant_method", None)
-        if not isinstance(method, GearedLinearMethod) or name.endswith("lm_head"):
-            continue
-        g, fast = method.geared, method.geared.fast
-
-        def counted(x, fast=fast, g=g):
-            g.python_calls = getattr(g, "python_calls", 0) + 1
-            return fast(x)
-
-        g.fast, g.python_calls = counted, 0
-        wrapped += 1
-    return wrapped
-
-
-def _decoder_geared(model) -> list:
-    from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
-
-    return [
-        m.quant_method.geared
-        for name, m in model.named_modules()
-        if isinstance(getattr(m, "quant_method", None), GearedLinearMethod)
-        and not name.endswith("lm_head")
-    ]
-
-
-def python_calls(model) -> dict[str, int]:
-    """Calls the counters saw, and how many counters are still in place."""
-    geared = _decoder_geared(model)
-    return {
-        "calls": sum(getattr(g, "python_calls", 0) for g in geared),
-        "counted": sum(getattr(g.fast, "__name__", "") == "counted" for g in geared),
-    }
-
-
-def clear_flags(model) -> int:
-    """The negative control: the flags cleared by hand, the counters left in place."""
-    geared = _decoder_geared(model)
-    for g in geared:
-        g.uniform_fp16[0] = 0
-    return len(geared)
-
-
 def test_every_geared_linear_takes_the_cpp_op(llm) -> None:
     first = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
     routes = llm.apply_model(geared_routes)[0]
     assert routes["geared"] == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     assert routes["routed"] == routes["geared"]
-    assert routes["uniform_fp16"] == routes["geared"]
+    assert routes["uniform_routed"] == routes["geared"]
     # the compiled graph reads the live flag: no decoder linear enters Python while it is set
     assert llm.apply_model(count_python_calls)[0] == 30 * 4
     again = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
@@ -128,13 +63,13 @@ def test_mixed_steps_fall_back_to_the_python_op(llm) -> None:
         _text(llm.generate([p], _greedy(n, adaptive_mode="off"), use_tqdm=False))[0]
         for p in prompts
     ]
-    assert llm.apply_model(geared_routes)[0]["uniform_fp16"] == 0
+    assert llm.apply_model(geared_routes)[0]["uniform_routed"] == 0
     plain = _text(llm.generate(prompts, _greedy(n), use_tqdm=False))
-    assert llm.apply_model(geared_routes)[0]["uniform_fp16"] > 0
+    assert llm.apply_model(geared_routes)[0]["uniform_routed"] > 0
     params = [_greedy(n), _greedy(n, adaptive_mode="off"), _greedy(n)]
     mixed = _text(llm.generate([prompts[0], prompts[0], prompts[1]], params, use_tqdm=False))
     assert mixed == [off[0], off[0], off[1]]
-    assert llm.apply_model(geared_routes)[0]["uniform_fp16"] == 0
+    assert llm.apply_model(geared_routes)[0]["uniform_routed"] == 0
     # the gear itself: the fp16 text stays the plain requests' (C++ op) text in a batch
     again = _text(llm.generate(prompts, _greedy(n), use_tqdm=False))
     assert again == plain

@@ -59,7 +59,7 @@ def test_compiled_graph_runs_the_fp16_gear_in_cpp_and_falls_back_to_python(needs
     torch._dynamo.reset()
     with torch.inference_mode():
         g.set_uniform("fp16")
-        assert int(g.uniform_fp16[0]) == 1
+        assert int(g.uniform_routed[0]) == 1
         g.fast = spy  # the flag stays set: the C++ op must not call it
         for m in (1, 3, 17, 40, 70):  # native and FBGEMM rows, beyond the last bucket
             x = torch.randn(m, K)
@@ -68,7 +68,7 @@ def test_compiled_graph_runs_the_fp16_gear_in_cpp_and_falls_back_to_python(needs
         assert calls == []
         # rows that do not all run the gear (a request with adaptivity off): the Python op
         g.set_uniform("full")
-        assert int(g.uniform_fp16[0]) == 0
+        assert int(g.uniform_routed[0]) == 0
         x = torch.randn(5, K)
         assert torch.equal(compiled(x), F.linear(x, layer.weight))
         assert (compiled(x) - linear(tier, x)).abs().max() > 0  # the float weight, not fp16
@@ -103,10 +103,120 @@ def test_cpp_op_follows_its_row_table_to_either_kernel(needs_native) -> None:
                 tier.prepared["native_fp16"],
                 tier.prepared["fbgemm_fp16"],
                 rows,
-                g.uniform_fp16,
+                g.uniform_routed,
                 g.index,
                 N,
             )
             native_y, fbgemm_y = kernels["native_fp16"](x), kernels["fbgemm_fp16"](x)
             assert not torch.equal(native_y, fbgemm_y)  # sums in another order: distinguishable
             assert torch.equal(y, native_y if m <= 2 else fbgemm_y), m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_graph_runs_the_int4_gear_in_cpp(dtype) -> None:
+    """The int4 gear's op (``geared_int4_linear``): on a float32 or bf16 layer, every row count
+    (decode buckets, beyond them, prompt rows) gives exactly what the Python op's kernels give,
+    without entering Python while the flag is set; a full-precision step goes to Python."""
+    from vllm_adaptive.kernels import matmul as mm
+
+    if native.geared_int4_linear_op() is None:
+        pytest.skip(f"no native 4-bit kernel here: {native.why_unavailable()}")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(K, 192, bias=False).requires_grad_(False).to(dtype)
+    level_map = ("int4", "int4", "int4", "full")
+    tiers = LinearTiers.build(layer.weight, set(level_map), "independent", 32, False)
+    tiers.prepare(dtype)
+    g = GearedLinear(layer, "toy.proj", level_map, tiers, _FloatMethod(), controller=None)
+    g.autotune(8)  # below FULL_MIN_ROWS: every row count on the 4-bit kernels
+    assert g.full_from == {}
+    method = GearedLinearMethod(g)
+    assert method.use_route() and g.routed == "int4"
+    tier = g.tiers.tiers["int4"]
+    paths = {kernel_name(tier, m, dtype) for m in (1, 2, 9, 40, 300)}
+    assert paths <= {mm.NATIVE_INT4, mm.INT4PACK}, paths
+    if dtype == torch.float32:
+        assert paths == {mm.NATIVE_INT4}  # torch's int4pack runs float32 rows 6-55x slower
+    calls = []
+
+    def spy(x):
+        calls.append(x.shape[0])
+        return linear(tier, x)
+
+    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        g.set_uniform("int4")
+        assert int(g.uniform_routed[0]) == 1
+        g.fast = spy
+        for m in (1, 3, 17, 40, 300):
+            x = torch.randn(m, K).to(dtype)
+            y = compiled(x)
+            assert y.dtype == dtype
+            assert torch.equal(y, linear(tier, x)), (m, kernel_name(tier, m, dtype))
+        assert calls == []
+        g.set_uniform("full")
+        assert int(g.uniform_routed[0]) == 0
+        x = torch.randn(5, K).to(dtype)
+        assert torch.equal(compiled(x), F.linear(x, layer.weight))
+
+
+def _int4_layer(base) -> GearedLinear:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(K, 192, bias=False).requires_grad_(False).to(torch.bfloat16)
+    level_map = ("int4", "int4", "int4", "full")
+    tiers = LinearTiers.build(layer.weight, set(level_map), "independent", 32, False)
+    tiers.prepare(torch.bfloat16)
+    return GearedLinear(layer, "toy.proj", level_map, tiers, base, controller=None)
+
+
+def test_rows_from_full_from_run_the_layers_own_weight() -> None:
+    """Rows at or above ``full_from`` (prompts, large batches) leave the 4-bit kernels for the
+    layer's own weight: from the compiled graph through the Python op, and from the Python op
+    itself; fewer rows stay in C++ on the 4-bit tier."""
+    if native.geared_int4_linear_op() is None:
+        pytest.skip(f"no native 4-bit kernel here: {native.why_unavailable()}")
+    g = _int4_layer(_FloatMethod())
+    g.full_from["int4"] = 16
+    method = GearedLinearMethod(g)
+    assert method.use_route()
+    layer, tier = g.layer, g.tiers.tiers["int4"]
+    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        g.set_uniform("int4")
+        for m in (1, 15, 16, 40, 300):
+            x = torch.randn(m, K).to(torch.bfloat16)
+            want = F.linear(x, layer.weight) if m >= 16 else linear(tier, x)
+            assert torch.equal(compiled(x), want), m
+            assert torch.equal(g.run(x, "int4"), want), m
+
+
+class _TimedMethod:
+    """A layer's own method whose cost is set by the test: ``fast`` answers from a cache."""
+
+    def __init__(self, fast: bool) -> None:
+        self.fast = fast
+
+    def apply(self, layer, x, bias=None):
+        if self.fast:
+            return x.new_zeros(x.shape[0], layer.weight.shape[0])
+        import time
+
+        time.sleep(0.002)
+        return F.linear(x, layer.weight, bias)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_full_from_follows_the_measurement(tmp_path, monkeypatch, fast: bool) -> None:
+    """``autotune`` times the layer's own weight against the packed tier from FULL_MIN_ROWS
+    rows on: a faster float weight takes those rows, a slower one none."""
+    from vllm_adaptive.kernels import autotune
+    from vllm_adaptive.precision.linear import FULL_MIN_ROWS
+
+    monkeypatch.setattr(autotune, "CELL_SECONDS", 0.005)
+    monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_TABLE", autotune.DispatchTable(tmp_path / "t.json"))
+    g = _int4_layer(_TimedMethod(fast))
+    g.autotune(64)
+    g.measure_full_from()
+    assert g.full_from == ({"int4": FULL_MIN_ROWS} if fast else {})

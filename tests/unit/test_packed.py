@@ -398,17 +398,23 @@ def test_dispatch_follows_the_measured_table():
             assert mm.choose_path(p, tokens, dt, "cpu") == _rule_path(fam, dt, tokens)
 
 
+#: bf16 4-bit weights beyond 48 rows: the native kernel where it builds (2-3x dequant_f32)
+_INT4_LARGE = mm.NATIVE_INT4 if native.int4_linear_ops() is not None else mm.DEQUANT_F32
+
+
 @pytest.mark.parametrize(
     "make,small,large",
     [
-        # bf16: the packed kernels win at decode sizes, float32 dequantize-and-matmul at 64 tokens
+        # bf16: the packed kernels win at decode sizes; at 64 tokens float32 dequantize-and-
+        # matmul for int8, the native 4-bit kernel for the int4pack family
         (lambda w: quantize(w, 8), mm.INT8PACK, mm.DEQUANT_F32),
-        (lambda w: quantize(w, 4, 32), mm.INT4PACK, mm.DEQUANT_F32),
-        (lambda w: quantize(w, 2, 64, symmetric=False), mm.INT4PACK, mm.DEQUANT_F32),
-        (lambda w: matryoshka_quantize(w, 32).tier(4), mm.INT4PACK, mm.DEQUANT_F32),
+        (lambda w: quantize(w, 4, 32), mm.INT4PACK, "int4-large"),
+        (lambda w: quantize(w, 2, 64, symmetric=False), mm.INT4PACK, "int4-large"),
+        (lambda w: matryoshka_quantize(w, 32).tier(4), mm.INT4PACK, "int4-large"),
     ],
 )
 def test_dispatch_differs_between_one_token_and_many(make, small, large):
+    large = _INT4_LARGE if large == "int4-large" else large
     p = make(_weight(48, 256))
     assert mm.choose_path(p, 1, torch.bfloat16, "cpu") == small
     assert mm.choose_path(p, 64, torch.bfloat16, "cpu") == large
@@ -541,3 +547,35 @@ def test_native_int4_dispatch_is_measured_on_the_machine(tmp_path, monkeypatch) 
     q = quantize(_weight(32, 256), 4, 32, symmetric=False)
     autotune_weight(q, 8, torch.float32)
     assert kernel_name(q, 1, torch.float32) == mm.NATIVE_INT4  # the static rule
+
+
+def test_bf16_int4_dispatch_times_torch_and_native_kernels(tmp_path, monkeypatch) -> None:
+    """A bf16 engine's 4-bit weight times torch's int4pack kernel against ``native_int4`` (its
+    rows cast to float32 and back) under a key of its own dtype, so a float32 engine's timings of
+    the same shape never stand in for it; both paths compute the grid."""
+    from vllm_adaptive.kernels import autotune
+    from vllm_adaptive.kernels.weights import autotune_weight, kernel_name
+
+    if native.int4_linear_ops() is None:
+        pytest.skip("the native kernels do not build here: the static rules apply")
+    monkeypatch.setattr(autotune, "CELL_SECONDS", 0.005)
+    monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
+    table = autotune.DispatchTable(tmp_path / "t.json")
+    monkeypatch.setattr(autotune, "_TABLE", table)
+    p = quantize(_weight(64, 256), 4, 32, symmetric=False)
+    autotune_weight(p, 8, torch.float32)
+    autotune_weight(p, 8, torch.bfloat16)
+    assert sorted(table.entries) == [
+        "int4-g32-asymmetric:64x256",
+        "int4-g32-asymmetric:64x256:bfloat16",
+    ]
+    best = table.measured_bests("int4-g32-asymmetric:64x256:bfloat16")
+    assert sorted(best) == [1, 2, 4, 8] and set(best.values()) <= {mm.INT4PACK, mm.NATIVE_INT4}
+    for rows, bucket in ((1, 1), (3, 2), (15, 8)):
+        assert kernel_name(p, rows, torch.bfloat16) == best[bucket], rows
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    ref = F.linear(x.float(), dequantize(p))
+    for path in (mm.INT4PACK, mm.NATIVE_INT4):
+        y = mm.bound_kernel(p, path, torch.bfloat16)(x)
+        assert y.dtype == torch.bfloat16
+        assert float((y.float() - ref).abs().max() / ref.abs().max()) < 2e-2, path

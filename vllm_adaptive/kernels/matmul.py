@@ -112,6 +112,11 @@ _INF = float("inf")
 #   int4pack wins every shape at 1-48 tokens, warm and cold (1 token: 162 vs bf16 dense 214 at
 #   576x1536, 2535 vs 3488 at 4096x4096; 48 tokens: 2601 vs dequant_f32 2891). At 64 tokens
 #   dequant_f32 wins 4 of 5 shapes warm (3462 vs 3569 at 576x1536) and 3 of 4 cold.
+#   Since 2026-12-01 beyond 48 tokens the plugin's native_int4 kernel (rows cast to float32) where
+#   it is built: on an AVX512-BF16 EPYC a whole step's 4-bit linears, cold, one thread, at 48 /
+#   100 rows: native_int4 72 / 147 ms, int4pack 92 / 189, dequant_f32 279 / 479 (oneDNN's bf16
+#   GEMM on the float weight: 40 / 71, which the geared linear runs there from 16 rows on:
+#   ``GearedLinear.full_from``). Engines time int4pack against native_int4 up to 64 tokens.
 # bf16, other weights (no native kernel): dequant_f32 always; bf16 dequant pays the bf16 GEMM,
 #   which this CPU runs without native bf16 (dense bf16 F.linear grows ~linearly with tokens:
 #   214 us at 1 token, 6.9 ms at 32, 576x1536).
@@ -133,7 +138,7 @@ _INF = float("inf")
 
 _CPU_RULES: dict[tuple[str, torch.dtype], tuple[tuple[float, str], ...]] = {
     (FAMILY_INT8_ROW, torch.bfloat16): ((16, INT8PACK), (_INF, DEQUANT_F32)),
-    (FAMILY_INT4PACK, torch.bfloat16): ((48, INT4PACK), (_INF, DEQUANT_F32)),
+    (FAMILY_INT4PACK, torch.bfloat16): ((48, INT4PACK), (_INF, NATIVE_INT4)),
     (FAMILY_DEQUANT, torch.bfloat16): ((_INF, DEQUANT_F32),),
     (FAMILY_INT8_ROW, torch.float32): ((_INF, DEQUANT_F32),),
     (FAMILY_INT4PACK, torch.float32): ((_INF, NATIVE_INT4),),
@@ -249,7 +254,7 @@ def applicable_paths(packed: PackedWeight, dtype: torch.dtype, device: torch.dev
         paths += [INT8PACK, INT8PACK_F32]
     elif fam == FAMILY_INT4PACK:
         paths += [INT4PACK, INT4PACK_F32]
-        if dtype == torch.float32 and native.int4_linear_ops() is not None:
+        if native.int4_linear_ops() is not None:
             paths.append(NATIVE_INT4)
     paths += [DEQUANT, DEQUANT_F32]
     if dtype == torch.float32:
@@ -326,11 +331,16 @@ def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
 
             def fn(x: torch.Tensor) -> torch.Tensor:
                 return op(x, w, g, sz)
-        elif path == NATIVE_INT4 and dtype == torch.float32:
+        elif path == NATIVE_INT4:
             op, (w4, sc, off), n = _native_int4_op(), _native_int4_layout(packed), packed.shape[0]
+            if dtype == torch.float32:
 
-            def fn(x: torch.Tensor) -> torch.Tensor:
-                return op(x, w4, sc, off, n)
+                def fn(x: torch.Tensor) -> torch.Tensor:
+                    return op(x, w4, sc, off, n)
+            else:  # half-precision rows: the float32 kernel, rows cast in and out
+
+                def fn(x: torch.Tensor) -> torch.Tensor:
+                    return op(x.float(), w4, sc, off, n).to(dtype)
         else:
 
             def fn(x: torch.Tensor) -> torch.Tensor:
@@ -359,12 +369,15 @@ def measured_candidates(packed: PackedWeight, dtype: torch.dtype) -> tuple[str, 
     plugin's native kernel against the library path it replaces); empty where the static rules
     stand."""
     if (
-        packed.device.type == "cpu"
-        and dtype == torch.float32
-        and family(packed) == FAMILY_INT4PACK
-        and native.int4_linear_ops() is not None
+        packed.device.type != "cpu"
+        or family(packed) != FAMILY_INT4PACK
+        or native.int4_linear_ops() is None
     ):
+        return ()
+    if dtype == torch.float32:
         return (NATIVE_INT4, DEQUANT_F32)
+    if dtype == torch.bfloat16:
+        return (INT4PACK, NATIVE_INT4)
     return ()
 
 
@@ -427,6 +440,20 @@ def _native_int4_layout(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tenso
         return pack[0](packed.codes(), packed.scales.float(), offsets)
 
     return _cached(packed, ("native_int4",), build)
+
+
+def prepared_native_int4(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``native_int4``'s layout of this weight (codes in blocks, float32 scales, folded
+    offsets), built once: what the int4 gear's C++ op takes."""
+    return _native_int4_layout(packed)
+
+
+def prepared_int4pack(
+    packed: PackedWeight, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """torch's int4pack layout of this weight for ``dtype`` rows (packed codes, scale-and-zeros,
+    group length), built once."""
+    return _int4_weight(packed), _int4_scale_zeros(packed, dtype), int4pack_group(packed)
 
 
 def _dequant_params(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:

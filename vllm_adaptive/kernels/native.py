@@ -190,6 +190,23 @@ def _geared_fp16_fake(x, packed, fbgemm, native_rows, uniform, index, out_featur
     return x.new_empty(x.shape[0], out_features)
 
 
+def geared_int4_linear_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.vllm_adaptive_native.geared_int4_linear`` (the int4 gear's linear as a
+    compiled graph calls it: csrc/int4_linear.cpp) with its fake kernel registered, where the
+    4-bit kernel runs here; else None."""
+    if int4_linear_ops() is None:
+        return None
+    with _lock:
+        if "fake_int4" not in _state:
+            torch.library.register_fake(f"{NAMESPACE}::geared_int4_linear")(_geared_int4_fake)
+            _state["fake_int4"] = True
+    return getattr(torch.ops, NAMESPACE).geared_int4_linear
+
+
+def _geared_int4_fake(x, packed, scales, offsets, w, sz, group, native_rows, uniform, index, n):
+    return x.new_empty(x.shape[0], n)
+
+
 def build_report() -> dict[str, object]:
     """Where the build stands: built (and the seconds it took in this process), or why not."""
     return {
@@ -211,6 +228,7 @@ __all__ = [
     "ensure_built",
     "fp16_linear_ops",
     "geared_fp16_linear_op",
+    "geared_int4_linear_op",
     "int4_linear_ops",
     "int8_linear_ops",
     "is_cached",

@@ -92,6 +92,8 @@ def autotune_weight(
     if paths:
         n, k = weight.shape
         key = f"{weight.describe().replace(' ', '-')}:{n}x{k}"
+        if dtype != torch.float32:  # each activation dtype has its own paths and timings
+            key += f":{str(dtype).removeprefix('torch.')}"
         if not table.knows(key, paths):
             kernels = {p: bound_kernel(weight, p, dtype) for p in paths}
             table.ensure(key, kernels, k, dtype=dtype, max_tokens=max_tokens)

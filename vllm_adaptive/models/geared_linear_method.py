@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive.engine.vllm_api import LinearMethodBase
-from vllm_adaptive.kernels import native
 from vllm_adaptive.precision.linear import GearedLinear
 
 
@@ -16,15 +15,16 @@ class GearedLinearMethod(LinearMethodBase):
 
     def __init__(self, geared: GearedLinear) -> None:
         self.geared = geared
-        # what a compiled graph passes to the fp16 gear's C++ op (``GearedLinear.route``),
-        # set by ``use_route`` once dispatch is measured; None: the Python op only
+        # what a compiled graph passes to the fp16 or int4 gear's C++ op
+        # (``GearedLinear.route``), set by ``use_route`` once dispatch is measured; None: the
+        # Python op only
         self.route: tuple | None = None
         self.route_op = None
 
     def use_route(self) -> bool:
-        """Let compiled graphs call the fp16 tier's C++ op where it runs (after autotune)."""
-        self.route = self.geared.route()
-        self.route_op = native.geared_fp16_linear_op() if self.route is not None else None
+        """Let compiled graphs call the routed tier's C++ op where one runs (after autotune)."""
+        got = self.geared.route()
+        self.route_op, self.route = got if got is not None else (None, None)
         return self.route is not None
 
     def create_weights(self, *args, **kwargs):  # pragma: no cover - installed after loading
@@ -33,6 +33,10 @@ class GearedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.geared.keep_full:
             self.geared.base_method.process_weights_after_loading(layer)
+            # the float weight's GEMM is bound now: time it against the packed tiers
+            self.geared.measure_full_from()
+            if self.geared.full_from and self.route is not None:
+                self.use_route()
         else:
             # No gear of this layer runs the float weight: free it.
             layer.weight = torch.nn.Parameter(
@@ -48,8 +52,8 @@ class GearedLinearMethod(LinearMethodBase):
             return g.fast(x) if g.fast is not None else g.forward(x)
         lead = x.shape[:-1]
         g, x2 = self.geared, x.reshape(-1, x.shape[-1])
-        if self.route is not None:  # the fp16 tier from C++ while every row runs it
-            out = self.route_op(x2, *self.route, g.uniform_fp16, g.index, g.tiers.shape[0])
+        if self.route is not None:  # the routed tier from C++ while every row runs it
+            out = self.route_op(x2, *self.route, g.uniform_routed, g.index, g.tiers.shape[0])
         else:
             out = torch.ops.vllm_adaptive.geared_linear(x2, g.index, g.tiers.shape[0])
         return out.reshape(*lead, out.shape[-1])

@@ -14,10 +14,12 @@ scattered back in token order; rows at W8A8 and W8A16 on shared int8 codes run a
 GEMM (:func:`~vllm_adaptive.kernels.float_linear.nested_w8a8_w8a16`). The LM head is geared the
 same way (its tiers are copies: the embedding it may be tied to keeps its float weight).
 
-While every row of a step runs the fp16 tier, a compiled graph skips the Python op: it calls
-``vllm_adaptive_native::geared_fp16_linear`` (``kernels/csrc/fp16_linear.cpp``), which reads the
-layer's ``uniform_fp16`` flag and runs the measured kernel for the row count in C++; with the
-flag clear it calls the Python op above (``GearedLinear.route`` says what it needs).
+While every row of a step runs the fp16 or the int4 tier, a compiled graph skips the Python
+op: it calls ``vllm_adaptive_native::geared_fp16_linear`` (``kernels/csrc/fp16_linear.cpp``) or
+``geared_int4_linear`` (``kernels/csrc/int4_linear.cpp``), which reads the layer's
+``uniform_routed`` flag and runs the measured kernel for the row count in C++; with the flag
+clear it calls the Python op above (``GearedLinear.route`` says what it needs). The Python op
+costs 10-25 us a call (121 calls a step on the default model).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ from vllm_adaptive.precision.tiers import LinearTiers
 
 #: the op's ``index`` -> its layer; weak, so that a finished engine's layers are freed with it
 _LINEARS: weakref.WeakValueDictionary[int, GearedLinear] = weakref.WeakValueDictionary()
+#: fewest rows per call a packed tier hands to the layer's own weight: below it a step reads its
+#: weights from memory, where fewer bytes win (AVX512-BF16 EPYC, a whole step's linears cold:
+#: 4-bit 16.5 ms against oneDNN bf16 17.6 at 8 rows, 32 against 21 at 16); a single layer timed
+#: in cache would undercount that
+FULL_MIN_ROWS = 16
 _NEXT_INDEX = itertools.count()
 _LIB = torch.library.Library("vllm_adaptive", "FRAGMENT")  # noqa: TID251 - our own namespace
 
@@ -66,33 +73,86 @@ class GearedLinear:
         self.base_method = base_method
         self.controller = controller
         self.keep_full = True  # mode "off" requests run the float weight on any engine
+        # packed precision -> rows per call from which the layer's own weight runs instead
+        # (measured faster there by ``autotune``: prompts, large batches); absent: never
+        self.full_from: dict[str, int] = {}
+        self.autotuned_rows = 0  # rows per call ``autotune`` measured up to
         w = layer.weight
         self.full_bytes = w.numel() * w.element_size()
         self.nested_calls = 0  # mixed W8A8 / W8A16 batches served by one GEMM
         # ``x -> y`` at the one precision every row of this step runs (set by the controller
         # each time that changes); None: rows may differ, ``forward`` groups them
         self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # 1 while ``fast`` is the fp16 tier: what the compiled graph's C++ op reads (``route``)
-        self.uniform_fp16 = torch.zeros(1, dtype=torch.uint8)
+        # 1 while ``fast`` is the routed tier: what the compiled graph's C++ op reads (``route``)
+        self.uniform_routed = torch.zeros(1, dtype=torch.uint8)
+        self.routed: str | None = None  # the precision the C++ op serves (``route``)
+        self.uniform: str | None = None  # the precision every row of the coming steps runs
         self.index = next(_NEXT_INDEX)
         _LINEARS[self.index] = self
 
     def set_uniform(self, precision: str | None) -> None:
         """Every row of the coming steps runs ``precision`` (None: rows may differ)."""
+        self.uniform = precision
         self.fast = None if precision is None else self.call_for(precision)
-        self.uniform_fp16[0] = int(precision == "fp16" and self.fast is not None)
+        self._flag_routed()
 
-    def route(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        """What ``torch.ops.vllm_adaptive_native.geared_fp16_linear`` needs to run this
-        layer's fp16 tier without a Python frame (its native and FBGEMM layouts, and per row
-        count up to the last dispatch bucket whether the native kernel runs), or None where it
-        cannot: no fp16 tier, a bias, tiers that come and go, or no native kernel here."""
+    def _flag_routed(self) -> None:
+        routed = self.routed is not None and self.uniform == self.routed and self.fast is not None
+        self.uniform_routed[0] = int(routed)
+
+    def route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+        """The C++ op that runs this layer's fp16 or int4 tier without a Python frame while
+        every row runs it, and the arguments it needs before the flag (``uniform_routed``):
+        the tier's kernel layouts and, per row count, whether the native kernel runs (the
+        measured dispatch table, flattened). None where no op can serve: no such tier, a
+        bias, tiers that come and go, no native kernel here, or a dispatch that picks a path
+        the op does not run."""
+        self.routed = None
+        got = None
+        if self.layer.bias is None and not (
+            self.controller is not None and self.controller.config.offload_inactive
+        ):
+            got = self._fp16_route() or self._int4_route()
+        self._flag_routed()
+        return got
+
+    def _int4_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+        from vllm_adaptive.kernels import matmul as mm
+
+        tier = self.tiers.tiers.get("int4")
+        dtype = self.layer.weight.dtype
+        op = native.geared_int4_linear_op()
+        if not isinstance(tier, mm.PackedWeight) or op is None or tier.device.type != "cpu":
+            return None
+        if dtype not in (torch.float32, torch.bfloat16) or "int4" in self.tiers.released:
+            return None
+        # index: row count; the last entry serves every larger count (prefill rows). Rows that
+        # run the layer's own weight (``full_from``) go to the Python op.
+        last = 2 * BUCKETS[-1]
+        full_from = self.full_from.get("int4", 1 << 62)
+        names = [
+            "full" if m >= full_from else kernel_name(tier, max(m, 1), dtype)
+            for m in range(last + 1)
+        ]
+        if not set(names) <= {mm.NATIVE_INT4, mm.INT4PACK, "full"}:
+            return None
+        tail = "full" if full_from <= last else kernel_name(tier, 1 << 20, dtype)
+        if tail != names[-1]:
+            return None
+        w4, scales, offsets = mm.prepared_native_int4(tier)
+        int4pack = sz = None
+        group = 0
+        if mm.INT4PACK in names:
+            int4pack, sz, group = mm.prepared_int4pack(tier, dtype)
+        codes = {mm.INT4PACK: 0, mm.NATIVE_INT4: 1, "full": 2}
+        native_rows = torch.tensor([codes[n] for n in names], dtype=torch.uint8)
+        self.routed = "int4"
+        return op, (w4, scales, offsets, int4pack, sz, group, native_rows)
+
+    def _fp16_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
         tier = self.tiers.tiers.get("fp16")
-        if not isinstance(tier, Fp16Weight) or self.layer.bias is not None:
-            return None
-        if self.controller is not None and self.controller.config.offload_inactive:
-            return None
-        if native.geared_fp16_linear_op() is None:
+        op = native.geared_fp16_linear_op()
+        if not isinstance(tier, Fp16Weight) or op is None:
             return None
         # index: row count (0 rows: the native kernel returns the empty result)
         names = ["native_fp16"]
@@ -105,7 +165,8 @@ class GearedLinear:
         if "fbgemm_fp16" in names and not isinstance(fbgemm, torch.Tensor):
             return None  # TorchScript-packed FBGEMM (older torch): the Python op calls it
         native_rows = torch.tensor([n == "native_fp16" for n in names], dtype=torch.uint8)
-        return tier.prepared["native_fp16"], fbgemm, native_rows
+        self.routed = "fp16"
+        return op, (tier.prepared["native_fp16"], fbgemm, native_rows)
 
     def call_for(self, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The whole layer at ``precision`` as one callable: the hot path of a step whose rows
@@ -114,7 +175,7 @@ class GearedLinear:
         if precision == "full":
             return functools.partial(self.base_method.apply, self.layer, bias=bias)
         packed = self.tiers.tiers[precision]
-        if packed is None or precision in self.tiers.released:
+        if packed is None or precision in self.tiers.released or precision in self.full_from:
             return functools.partial(self.run, precision=precision)
         if bias is None:
             return functools.partial(linear, packed)
@@ -128,10 +189,45 @@ class GearedLinear:
             if tier is None or (half and half_call(tier) is not None):
                 continue  # bf16 rows of this tier run its one half-precision kernel
             autotune_weight(tier, max_tokens, self.layer.weight.dtype)
+        self.autotuned_rows = max_tokens
+
+    def measure_full_from(self) -> None:
+        """Where a packed tier's kernels lose to the layer's own weight at many rows (a bf16
+        engine's oneDNN GEMM against 4-bit kernels: 2x faster at 100 rows on an AVX512-BF16
+        EPYC, slower at 8), rows from the first bucket of :data:`FULL_MIN_ROWS` or more where
+        the float weight wins at every larger bucket run it (faster, and exact). Once the
+        layer's own method has processed its weights (vLLM's CPU GEMM is bound then)."""
+        from vllm_adaptive.kernels import autotune
+        from vllm_adaptive.kernels.packed import PackedWeight
+
+        max_tokens = self.autotuned_rows
+        w = self.layer.weight
+        if not self.keep_full or w.device.type != "cpu" or max_tokens < FULL_MIN_ROWS:
+            return
+        full = functools.partial(self.base_method.apply, self.layer, bias=None)
+        table = autotune.table()
+        for precision, tier in self.tiers.tiers.items():
+            if not isinstance(tier, PackedWeight) or precision in self.tiers.released:
+                continue
+            n, k = tier.shape
+            key = f"full-vs-{tier.describe().replace(' ', '-')}:{n}x{k}"
+            key += f":{str(w.dtype).removeprefix('torch.')}"
+            kernels = {"full": full, "packed": functools.partial(linear, tier)}
+            table.ensure(key, kernels, k, dtype=w.dtype, max_tokens=max_tokens)
+            best = table.measured_bests(key)
+            big = sorted(b for b in best if b >= FULL_MIN_ROWS)
+            start = None
+            for b in reversed(big):
+                if best[b] != "full":
+                    break
+                start = b
+            if start is not None:
+                self.full_from[precision] = start
+        table.save()
 
     def run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
         bias = self.layer.bias
-        if precision == "full":
+        if precision == "full" or x.shape[0] >= self.full_from.get(precision, 1 << 62):
             return self.base_method.apply(self.layer, x, bias)
         packed = self.tiers.tiers[precision]
         if packed is None or precision in self.tiers.released:

@@ -257,6 +257,39 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// The int4 gear's linear as a compiled graph calls it: the step's kernel chosen here, without a
+// Python frame, while every row of the step runs the int4 gear (`uniform[0] != 0`, set by the
+// precision controller); otherwise the plugin's Python op, which groups the rows by gear.
+// `native_rows[min(M, len - 1)]` picks for M rows: 1 int4_linear (bf16 rows cast to float32 and
+// back), 0 torch's int4pack kernel (`int4pack`, its scale-and-zeros and group; absent where
+// dispatch never picks it), 2 the Python op (rows that run the layer's own weight): the measured
+// dispatch table, flattened by the Python side.
+at::Tensor geared_int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const at::Tensor& offsets,
+                              const std::optional<at::Tensor>& int4pack,
+                              const std::optional<at::Tensor>& int4pack_scale_zeros,
+                              int64_t int4pack_group, const at::Tensor& native_rows,
+                              const at::Tensor& uniform, int64_t index, int64_t out_features) {
+  const auto dtype = x.scalar_type();
+  if (uniform.data_ptr<uint8_t>()[0] != 0 && x.dim() == 2 &&
+      (dtype == at::kFloat || dtype == at::kBFloat16)) {
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    const int64_t last = native_rows.numel() - 1;
+    const uint8_t code = native_rows.data_ptr<uint8_t>()[std::min(xc.size(0), last)];
+    if (code == 1) {
+      if (dtype == at::kFloat) return int4_linear(xc, packed, scales, offsets, out_features);
+      return int4_linear(xc.to(at::kFloat), packed, scales, offsets, out_features).to(dtype);
+    }
+    if (code == 0 && int4pack.has_value() && int4pack_scale_zeros.has_value())
+      return at::_weight_int4pack_mm_for_cpu(xc, *int4pack, int4pack_group,
+                                             *int4pack_scale_zeros);
+  }
+  static const auto python_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
+                                    .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return python_op.call(x, index, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
@@ -264,9 +297,14 @@ TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
   m.def(
       "int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int out_features) -> "
       "Tensor");
+  m.def(
+      "geared_int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, "
+      "Tensor? int4pack, Tensor? int4pack_scale_zeros, int int4pack_group, Tensor native_rows, "
+      "Tensor uniform, int index, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) {
   m.impl("int4_pack", &int4_pack);
   m.impl("int4_linear", &int4_linear);
+  m.impl("geared_int4_linear", &geared_int4_linear);
 }
