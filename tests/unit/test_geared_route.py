@@ -160,9 +160,17 @@ def test_compiled_graph_runs_the_int4_gear_in_cpp(dtype) -> None:
         assert torch.equal(compiled(x), F.linear(x, layer.weight))
 
 
-def _int4_layer(base) -> GearedLinear:
+def _int4_layer(base, on_grid: bool = True) -> GearedLinear:
+    """A bf16 layer with an int4 g32 asymmetric tier; ``on_grid``: its weight already lies on
+    that grid (as the default model's Q4_1 checkpoint does), so the tier holds it."""
+    from vllm_adaptive.kernels.packed import dequantize, quantize
+
     torch.manual_seed(0)
-    layer = torch.nn.Linear(K, 192, bias=False).requires_grad_(False).to(torch.bfloat16)
+    layer = torch.nn.Linear(K, 192, bias=False).requires_grad_(False)
+    if on_grid:
+        grid = quantize(layer.weight, 4, 32, symmetric=False, check_double_quant=False)
+        layer.weight.copy_(dequantize(grid, torch.float32))
+    layer = layer.to(torch.bfloat16)
     level_map = ("int4", "int4", "int4", "full")
     tiers = LinearTiers.build(layer.weight, set(level_map), "independent", 32, False)
     tiers.prepare(torch.bfloat16)
@@ -206,17 +214,18 @@ class _TimedMethod:
         return F.linear(x, layer.weight, bias)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_full_from_follows_the_measurement(tmp_path, monkeypatch, fast: bool) -> None:
+@pytest.mark.parametrize("fast, on_grid", [(True, True), (False, True), (True, False)])
+def test_full_from_follows_the_measurement(tmp_path, monkeypatch, fast: bool, on_grid: bool):
     """``autotune`` times the layer's own weight against the packed tier from FULL_MIN_ROWS
-    rows on: a faster float weight takes those rows, a slower one none."""
+    rows on where the tier holds that weight: a faster float weight takes those rows, a slower
+    one none; a tier off the weight's grid (another model's numbers) never hands rows over."""
     from vllm_adaptive.kernels import autotune
     from vllm_adaptive.precision.linear import FULL_MIN_ROWS
 
     monkeypatch.setattr(autotune, "CELL_SECONDS", 0.005)
     monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
     monkeypatch.setattr(autotune, "_TABLE", autotune.DispatchTable(tmp_path / "t.json"))
-    g = _int4_layer(_TimedMethod(fast))
+    g = _int4_layer(_TimedMethod(fast), on_grid)
     g.autotune(64)
     g.measure_full_from()
-    assert g.full_from == ({"int4": FULL_MIN_ROWS} if fast else {})
+    assert g.full_from == ({"int4": FULL_MIN_ROWS} if fast and on_grid else {})

@@ -179,11 +179,7 @@ def geared_fp16_linear_op() -> Callable[..., torch.Tensor] | None:
     fp16 kernel runs here; else None."""
     if fp16_linear_ops() is None:
         return None
-    with _lock:
-        if "fake" not in _state:
-            torch.library.register_fake(f"{NAMESPACE}::geared_fp16_linear")(_geared_fp16_fake)
-            _state["fake"] = True
-    return getattr(torch.ops, NAMESPACE).geared_fp16_linear
+    return _with_fake("geared_fp16_linear", _geared_fp16_fake)
 
 
 def _geared_fp16_fake(x, packed, fbgemm, native_rows, uniform, index, out_features):
@@ -196,11 +192,17 @@ def geared_int4_linear_op() -> Callable[..., torch.Tensor] | None:
     4-bit kernel runs here; else None."""
     if int4_linear_ops() is None:
         return None
+    return _with_fake("geared_int4_linear", _geared_int4_fake)
+
+
+def _with_fake(name: str, fake: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The op ``name`` of the namespace, its fake kernel (what torch.compile traces) registered
+    once per process."""
     with _lock:
-        if "fake_int4" not in _state:
-            torch.library.register_fake(f"{NAMESPACE}::geared_int4_linear")(_geared_int4_fake)
-            _state["fake_int4"] = True
-    return getattr(torch.ops, NAMESPACE).geared_int4_linear
+        if f"fake:{name}" not in _state:
+            torch.library.register_fake(f"{NAMESPACE}::{name}")(fake)
+            _state[f"fake:{name}"] = True
+    return getattr(getattr(torch.ops, NAMESPACE), name)
 
 
 def _geared_int4_fake(x, packed, scales, offsets, w, sz, group, native_rows, uniform, index, n):

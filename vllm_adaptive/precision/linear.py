@@ -50,6 +50,12 @@ _LINEARS: weakref.WeakValueDictionary[int, GearedLinear] = weakref.WeakValueDict
 #: 4-bit 16.5 ms against oneDNN bf16 17.6 at 8 rows, 32 against 21 at 16); a single layer timed
 #: in cache would undercount that
 FULL_MIN_ROWS = 16
+#: a packed tier hands rows to the layer's own weight only where it holds that weight up to
+#: rounding: max |dequantized - weight| at most this share of max |weight| (the default model's
+#: Q4_1 grid in int4 g32 asymmetric: 0.15-0.3%, bf16 rounding; symmetric int4: 6-7%). Else the
+#: rows would compute another model than the gear, and a token's KV would depend on how many
+#: rows shared its step.
+FULL_SAME_WEIGHT_TOL = 0.01
 _NEXT_INDEX = itertools.count()
 _LIB = torch.library.Library("vllm_adaptive", "FRAGMENT")  # noqa: TID251 - our own namespace
 
@@ -192,11 +198,12 @@ class GearedLinear:
         self.autotuned_rows = max_tokens
 
     def measure_full_from(self) -> None:
-        """Where a packed tier's kernels lose to the layer's own weight at many rows (a bf16
-        engine's oneDNN GEMM against 4-bit kernels: 2x faster at 100 rows on an AVX512-BF16
-        EPYC, slower at 8), rows from the first bucket of :data:`FULL_MIN_ROWS` or more where
-        the float weight wins at every larger bucket run it (faster, and exact). Once the
-        layer's own method has processed its weights (vLLM's CPU GEMM is bound then)."""
+        """Where a packed tier holds the layer's own weight up to rounding (a gear on the
+        checkpoint's grid: :data:`FULL_SAME_WEIGHT_TOL`) and its kernels lose to that weight at
+        many rows (a bf16 engine's oneDNN GEMM against 4-bit kernels: 2x faster at 100 rows on
+        an AVX512-BF16 EPYC, slower at 8), rows from the first bucket of :data:`FULL_MIN_ROWS`
+        or more where the float weight wins at every larger bucket run it. Once the layer's
+        own method has processed its weights (vLLM's CPU GEMM is bound then)."""
         from vllm_adaptive.kernels import autotune
         from vllm_adaptive.kernels.packed import PackedWeight
 
@@ -208,6 +215,8 @@ class GearedLinear:
         table = autotune.table()
         for precision, tier in self.tiers.tiers.items():
             if not isinstance(tier, PackedWeight) or precision in self.tiers.released:
+                continue
+            if not _holds_weight(tier, w):
                 continue
             n, k = tier.shape
             key = f"full-vs-{tier.describe().replace(' ', '-')}:{n}x{k}"
@@ -265,6 +274,17 @@ class GearedLinear:
         for precision, index in groups:
             out.index_copy_(0, index, self.run(x.index_select(0, index), precision))
         return out
+
+
+def _holds_weight(tier, weight: torch.Tensor) -> bool:
+    """Whether a packed tier reproduces ``weight`` up to :data:`FULL_SAME_WEIGHT_TOL`."""
+    from vllm_adaptive.kernels.packed import dequantize
+
+    w = weight.detach().float()
+    if w.shape != tuple(tier.shape) or w.numel() == 0:
+        return False
+    err = float((dequantize(tier, torch.float32) - w).abs().max())
+    return err <= FULL_SAME_WEIGHT_TOL * float(w.abs().max())
 
 
 def geared_linears() -> list[GearedLinear]:
