@@ -210,7 +210,7 @@ class _TimedMethod:
             return x.new_zeros(x.shape[0], layer.weight.shape[0])
         import time
 
-        time.sleep(0.002)
+        time.sleep(0.05)  # slower than the 4-bit kernels at 64 rows even on a loaded CI runner
         return F.linear(x, layer.weight, bias)
 
 
