@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.engines import make_llm, shutdown
-from tests.support.geared_routes import clear_flags, count_python_calls, geared_routes, python_calls
+from tests.support.geared_routes import (
+    clear_flags,
+    count_python_calls,
+    geared_routes,
+    greedy,
+    python_calls,
+    token_ids,
+)
 from tests.support.workloads import SPEC_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -25,30 +32,20 @@ def llm(model_dir: Path):
     shutdown(llm)
 
 
-def _greedy(n: int, **extra):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, extra_args=extra)
-
-
-def _text(outs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def test_every_geared_linear_takes_the_cpp_op(llm) -> None:
-    first = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    first = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     routes = llm.apply_model(geared_routes)[0]
     assert routes["geared"] == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     assert routes["routed"] == routes["geared"]
     assert routes["uniform_routed"] == routes["geared"]
     # the compiled graph reads the live flag: no decoder linear enters Python while it is set
     assert llm.apply_model(count_python_calls)[0] == 30 * 4
-    again = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    again = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     assert again == first
     assert llm.apply_model(python_calls)[0] == {"calls": 0, "counted": 30 * 4}
     # cleared by hand, the same graph hands every call to the Python op (the same kernels)
     assert llm.apply_model(clear_flags)[0] == 30 * 4
-    cleared = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    cleared = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     assert cleared == first
     seen = llm.apply_model(python_calls)[0]
     assert seen["counted"] == 30 * 4 and seen["calls"] >= 30 * 4 * 8
@@ -60,16 +57,16 @@ def test_mixed_steps_fall_back_to_the_python_op(llm) -> None:
     n = 24
     prompts = [SPEC_PROMPTS[0], SPEC_PROMPTS[2]]
     off = [
-        _text(llm.generate([p], _greedy(n, adaptive_mode="off"), use_tqdm=False))[0]
+        token_ids(llm.generate([p], greedy(n, adaptive_mode="off"), use_tqdm=False))[0]
         for p in prompts
     ]
     assert llm.apply_model(geared_routes)[0]["uniform_routed"] == 0
-    plain = _text(llm.generate(prompts, _greedy(n), use_tqdm=False))
+    plain = token_ids(llm.generate(prompts, greedy(n), use_tqdm=False))
     assert llm.apply_model(geared_routes)[0]["uniform_routed"] > 0
-    params = [_greedy(n), _greedy(n, adaptive_mode="off"), _greedy(n)]
-    mixed = _text(llm.generate([prompts[0], prompts[0], prompts[1]], params, use_tqdm=False))
+    params = [greedy(n), greedy(n, adaptive_mode="off"), greedy(n)]
+    mixed = token_ids(llm.generate([prompts[0], prompts[0], prompts[1]], params, use_tqdm=False))
     assert mixed == [off[0], off[0], off[1]]
     assert llm.apply_model(geared_routes)[0]["uniform_routed"] == 0
     # the gear itself: the fp16 text stays the plain requests' (C++ op) text in a batch
-    again = _text(llm.generate(prompts, _greedy(n), use_tqdm=False))
+    again = token_ids(llm.generate(prompts, greedy(n), use_tqdm=False))
     assert again == plain

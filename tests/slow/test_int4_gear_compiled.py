@@ -13,7 +13,14 @@ import pytest
 
 from tests.support.engines import make_llm, shutdown
 from tests.support.forcing import agreement, perplexity, teacher_force
-from tests.support.geared_routes import clear_flags, count_python_calls, geared_routes, python_calls
+from tests.support.geared_routes import (
+    clear_flags,
+    count_python_calls,
+    geared_routes,
+    greedy,
+    python_calls,
+    token_ids,
+)
 from tests.support.workloads import PROMPTS, SPEC_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -41,27 +48,17 @@ def llm(model_dir: Path):
     shutdown(llm)
 
 
-def _greedy(n: int, **extra):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, extra_args=extra)
-
-
-def _text(outs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def test_every_decoder_linear_takes_the_int4_cpp_op(llm) -> None:
-    first = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    first = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     routes = llm.apply_model(geared_routes)[0]
     assert routes["routed"] == DECODER, routes  # the head (bf16 here) has no int4 tier
     assert routes["uniform_routed"] == DECODER
     assert llm.apply_model(count_python_calls)[0] == DECODER
-    again = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    again = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     assert again == first
     assert llm.apply_model(python_calls)[0] == {"calls": 0, "counted": DECODER}
     assert llm.apply_model(clear_flags)[0] == DECODER
-    cleared = _text(llm.generate(SPEC_PROMPTS[:2], _greedy(8), use_tqdm=False))
+    cleared = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     assert cleared == first
     assert llm.apply_model(python_calls)[0]["calls"] >= DECODER * 8
 
@@ -73,7 +70,7 @@ def test_gear_agrees_with_stock_bf16_teacher_forced(llm, stock_bf16: dict) -> No
     llm.reset_prefix_cache()
     agree, ratio = [], []
     for i, (prompt, stock) in enumerate(zip(PROMPTS, stock_bf16["identity"]["alone"], strict=True)):
-        ids = list(llm.generate([prompt], _greedy(1), use_tqdm=False)[0].prompt_token_ids)
+        ids = list(llm.generate([prompt], greedy(1), use_tqdm=False)[0].prompt_token_ids)
         geared = teacher_force(llm, ids, stock, f"int4-bf16-{i}")
         full = teacher_force(llm, ids, stock, f"full-bf16-{i}", adaptive_mode="off")
         agree.append(agreement(geared, stock))

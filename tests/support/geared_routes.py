@@ -68,3 +68,14 @@ def clear_flags(model) -> int:
     for g in geared:
         g.uniform_routed[0] = 0
     return len(geared)
+
+
+def greedy(n: int, **extra):
+    """Greedy sampling of exactly ``n`` tokens, ``extra`` as the request's extra_args."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, extra_args=extra)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
