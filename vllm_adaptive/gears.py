@@ -8,7 +8,8 @@ Precisions:
 
 - ``full``: the layer's own float weight (vLLM's linear, exactly);
 - ``fp16``: the weight rounded to float16, float32 activations (FBGEMM's fp16 GEMM);
-- ``int8``: int8 weights, float activations (weight-only; the packed kernel needs bf16 input);
+- ``int8``: int8 weights, float activations (weight-only); on CPUs where the plugin's C++
+  kernels run, in groups of ``group_size`` inputs with float16 scales (GGUF's Q8_0), else per row;
 - ``w8a8``: int8 weights and int8 activations with one scale per token, optionally smoothed
   (SmoothQuant); the fast int8 path for float32 activations;
 - ``w8a16``: the same int8 weights (never smoothed) with activations as two int8 planes per

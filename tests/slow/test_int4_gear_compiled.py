@@ -1,9 +1,10 @@
-"""The int4 gear on the checkpoint's grid on vLLM's compiled path, through one real bf16
-engine: every decoder linear's compiled call goes to the C++ op `geared_int4_linear` (torch's
-int4pack kernel or the plugin's native one per row count, as measured at engine start) without
-entering Python, the same text comes out when the calls go through the Python op instead, and
-teacher-forced along stock bf16's greedy tokens the gear agrees with them (the LM head stays at
-the engine's bf16; prompt rows run the float weight where it is measured faster)."""
+"""The int4 gear on the checkpoint's grid, with the LM head on the int8 gear (the checkpoint's
+Q8_0 grid), on vLLM's compiled path, through one real bf16 engine: every decoder linear's
+compiled call goes to the C++ op `geared_int4_linear` (torch's int4pack kernel or the plugin's
+native one per row count, as measured at engine start) without entering Python, the head runs
+grouped int8 codes that give its weight back exactly, the same text comes out when the calls go
+through the Python op instead, and teacher-forced along stock bf16's greedy tokens the gear
+agrees with them (prompt rows run the float weight where it is measured faster)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.support.geared_routes import (
     count_python_calls,
     geared_routes,
     greedy,
+    head_tier,
     python_calls,
     token_ids,
 )
@@ -25,7 +27,14 @@ from tests.support.workloads import PROMPTS, SPEC_PROMPTS
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"precision": {"policy": "fixed", "gear": "int4", "symmetric": False}}
+CONFIG = {
+    "precision": {
+        "policy": "fixed",
+        "gear": "int4",
+        "symmetric": False,
+        "head_gears": ["int8", "int8", "int8"],
+    }
+}
 DECODER = 30 * 4  # qkv, o, gate_up, down per layer
 
 
@@ -51,8 +60,13 @@ def llm(model_dir: Path):
 def test_every_decoder_linear_takes_the_int4_cpp_op(llm) -> None:
     first = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     routes = llm.apply_model(geared_routes)[0]
-    assert routes["routed"] == DECODER, routes  # the head (bf16 here) has no int4 tier
-    assert routes["uniform_routed"] == DECODER
+    assert routes["routed"] == DECODER + 1, routes  # and the head's int8 op
+    assert routes["uniform_routed"] == DECODER + 1
+    assert llm.apply_model(head_tier)[0] == {
+        "group_size": 32,
+        "scale_dtype": "torch.float16",
+        "exact": True,
+    }
     assert llm.apply_model(count_python_calls)[0] == DECODER
     again = token_ids(llm.generate(SPEC_PROMPTS[:2], greedy(8), use_tqdm=False))
     assert again == first

@@ -62,6 +62,23 @@ def python_calls(model) -> dict[str, int]:
     }
 
 
+def head_tier(model) -> dict[str, object]:
+    """The LM head's int8 tier: its group, scale dtype, and whether it gives the head's own
+    weight back to the bit."""
+    import torch
+
+    from vllm_adaptive.kernels.packed import dequantize
+
+    g = model.lm_head.quant_method.geared
+    tier = g.tiers.tiers["int8"]
+    w = g.layer.weight
+    return {
+        "group_size": tier.group_size,
+        "scale_dtype": str(tier.scales.dtype),
+        "exact": bool(torch.equal(dequantize(tier, torch.float32).to(w.dtype), w)),
+    }
+
+
 def clear_flags(model) -> int:
     """The negative control: the flags cleared by hand, the counters left in place."""
     geared = _decoder_geared(model)

@@ -160,6 +160,52 @@ def test_compiled_graph_runs_the_int4_gear_in_cpp(dtype) -> None:
         assert torch.equal(compiled(x), F.linear(x, layer.weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_graph_runs_the_int8_gear_in_cpp(dtype) -> None:
+    """The int8 gear's op (``geared_int8_linear``, grouped int8 on the native kernel): every row
+    count gives exactly what the Python op's kernel gives, without entering Python while the
+    flag is set; a full-precision step goes to Python."""
+    from vllm_adaptive.kernels import matmul as mm
+
+    if native.geared_int8_linear_op() is None:
+        pytest.skip(f"no native int8 kernel here: {native.why_unavailable()}")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(K, 200, bias=False).requires_grad_(False).to(dtype)
+    level_map = ("int8", "int8", "int8", "full")
+    tiers = LinearTiers.build(
+        layer.weight, set(level_map), "independent", 32, True, int8_group_size=32
+    )
+    tiers.prepare(dtype)
+    g = GearedLinear(layer, "toy.proj", level_map, tiers, _FloatMethod(), controller=None)
+    g.autotune(8)
+    method = GearedLinearMethod(g)
+    assert method.use_route() and g.routed == "int8"
+    tier = g.tiers.tiers["int8"]
+    assert {kernel_name(tier, m, dtype) for m in (1, 9, 300)} == {mm.NATIVE_INT8}
+    calls = []
+
+    def spy(x):
+        calls.append(x.shape[0])
+        return linear(tier, x)
+
+    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        g.set_uniform("int8")
+        assert int(g.uniform_routed[0]) == 1
+        g.fast = spy
+        for m in (1, 3, 17, 300):
+            x = torch.randn(m, K).to(dtype)
+            y = compiled(x)
+            assert y.dtype == dtype
+            assert torch.equal(y, linear(tier, x)), m
+        assert calls == []
+        g.set_uniform("full")
+        assert int(g.uniform_routed[0]) == 0
+        x = torch.randn(5, K).to(dtype)
+        assert torch.equal(compiled(x), F.linear(x, layer.weight))
+
+
 def _int4_layer(base, on_grid: bool = True) -> GearedLinear:
     """A bf16 layer with an int4 g32 asymmetric tier; ``on_grid``: its weight already lies on
     that grid (as the default model's Q4_1 checkpoint does), so the tier holds it."""
@@ -205,13 +251,19 @@ class _TimedMethod:
     def __init__(self, fast: bool) -> None:
         self.fast = fast
 
+    def process_weights_after_loading(self, layer) -> None:
+        """As vLLM's CPU method on a bf16 layer: the weight moves into the method's own handle
+        (oneDNN's packed weight) and ``layer.weight`` is emptied."""
+        self.weight = layer.weight.detach().clone()
+        layer.weight = torch.nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
+
     def apply(self, layer, x, bias=None):
         if self.fast:
-            return x.new_zeros(x.shape[0], layer.weight.shape[0])
+            return x.new_zeros(x.shape[0], self.weight.shape[0])
         import time
 
         time.sleep(0.05)  # slower than the 4-bit kernels at 64 rows even on a loaded CI runner
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 @pytest.mark.parametrize("fast, on_grid", [(True, True), (False, True), (True, False)])
@@ -227,5 +279,7 @@ def test_full_from_follows_the_measurement(tmp_path, monkeypatch, fast: bool, on
     monkeypatch.setattr(autotune, "_TABLE", autotune.DispatchTable(tmp_path / "t.json"))
     g = _int4_layer(_TimedMethod(fast), on_grid)
     g.autotune(64)
+    g.base_method.process_weights_after_loading(g.layer)  # the weight leaves the layer first
+    assert g.layer.weight.numel() == 0
     g.measure_full_from()
     assert g.full_from == ({"int4": FULL_MIN_ROWS} if fast and on_grid else {})

@@ -386,8 +386,9 @@ def test_dispatch_follows_the_measured_table():
     w = _weight(48, 256)
     fams = {
         mm.FAMILY_INT8_ROW: quantize(w, 8),
+        mm.FAMILY_INT8_GROUP: quantize(w, 8, 32),
         mm.FAMILY_INT4PACK: quantize(w, 4, 32),
-        mm.FAMILY_DEQUANT: quantize(w, 8, 32),
+        mm.FAMILY_DEQUANT: quantize(w, 8, 32, symmetric=False),
     }
     for (fam, dt), rules in mm._CPU_RULES.items():
         assert rules[-1][0] == float("inf")
@@ -433,6 +434,8 @@ def test_float32_activations_never_take_the_float32_kernels():
             want = mm.DEQUANT_F32
             if p.bits == 4 and native.int4_linear_ops():
                 want = mm.NATIVE_INT4
+            if p.bits == 8 and p.group_size is not None and native.int8_linear_ops():
+                want = mm.NATIVE_INT8  # grouped int8: the plugin's kernel reads its scales
             assert mm.choose_path(p, tokens, torch.float32, "cpu") == want
 
 
@@ -465,6 +468,35 @@ def test_native_int4_kernel_computes_the_grid_at_any_shape(n: int, k: int) -> No
         ops[0](torch.full((n, k), 9, dtype=torch.int8), torch.ones(n, 1), None)
 
 
+@pytest.mark.parametrize("n, k", [(45, 64), (1, 32), (97, 1536), (192, 320)])
+def test_native_int8_kernel_computes_the_grid_at_any_shape(n: int, k: int) -> None:
+    """The C++ int8 kernel (``native_int8``) against the float64 product of the dequantized
+    weight: per-row and grouped scales (float32 and GGUF Q8_0's float16), output widths that are
+    not whole blocks of 32, row counts around the row groups, float32 and bf16 rows."""
+    if shutil.which("c++") is None or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no C++ compiler or no AVX2 / FMA: the native kernels cannot run here")
+    assert native.int8_linear_ops() is not None, native.why_unavailable()
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    for p in (
+        quantize(w, 8),
+        quantize(w, 8, 32),
+        quantize(w, 8, 32, scale_dtype=torch.float16),
+    ):
+        assert mm.NATIVE_INT8 in mm.applicable_paths(p, torch.bfloat16, torch.device("cpu"))
+        ref_w = dequantize(p, torch.float64)
+        for m in (1, 2, 3, 8, 9, 19):
+            x = torch.randn(m, k, generator=g)
+            ref = x.double() @ ref_w.t()
+            y = mm.matmul(x, p, path=mm.NATIVE_INT8)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5, (p.describe(), m)
+            yb = mm.matmul(x.bfloat16(), p, path=mm.NATIVE_INT8)
+            refb = x.bfloat16().double() @ ref_w.t()
+            assert yb.dtype == torch.bfloat16
+            assert float((yb.double() - refb).abs().max() / refb.abs().max()) < 1e-2
+
+
 # ---------------------------------------------------------------------------------------------
 # A real layer from the default model
 # ---------------------------------------------------------------------------------------------
@@ -488,6 +520,29 @@ def test_real_layer_is_flagged_and_grid_aligned(real_layer):
     rel = lambda p: float((dequantize(p) - real_layer).norm() / real_layer.norm())  # noqa: E731
     assert rel(a) < 0.01  # the Q4_1 grid it came from
     assert rel(s) > 0.05
+
+
+def test_grouped_int8_tier_returns_the_q8_0_embedding_exactly() -> None:
+    """The default model's embedding (its tied LM head) was dequantized from GGUF's Q8_0 (int8
+    codes, one float16 scale per 32 inputs): the grouped int8 tier gives it back to the bit, so
+    the int8 head is the checkpoint's own head; a per-row int8 tier does not."""
+    from vllm_adaptive.precision.tiers import LinearTiers
+
+    if not CKPT.exists():
+        pytest.skip(f"default model checkpoint absent ({CKPT}); prepare it with model_zoo")
+    from safetensors import safe_open
+
+    with safe_open(str(CKPT), "pt") as f:
+        head = f.get_slice("model.embed_tokens.weight")[:4096]
+    assert head.dtype == torch.bfloat16
+    grouped = LinearTiers.build(head, {"int8"}, "independent", 32, True, int8_group_size=32)
+    per_row = LinearTiers.build(head, {"int8"}, "independent", 32, True)
+    tier = grouped.tiers["int8"]
+    assert tier.group_size == 32 and tier.scales.dtype == torch.float16
+    assert mm.family(tier) == mm.FAMILY_INT8_GROUP
+    assert torch.equal(dequantize(tier, torch.float32).bfloat16(), head)
+    assert per_row.tiers["int8"].group_size is None
+    assert not torch.equal(dequantize(per_row.tiers["int8"], torch.float32).bfloat16(), head)
 
 
 def test_real_layer_matmul_paths(real_layer):

@@ -195,6 +195,19 @@ def geared_int4_linear_op() -> Callable[..., torch.Tensor] | None:
     return _with_fake("geared_int4_linear", _geared_int4_fake)
 
 
+def geared_int8_linear_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.vllm_adaptive_native.geared_int8_linear`` (the int8 gear's linear as a
+    compiled graph calls it: csrc/int8_linear.cpp) with its fake kernel registered, where the
+    int8 kernel runs here; else None."""
+    if int8_linear_ops() is None:
+        return None
+    return _with_fake("geared_int8_linear", _geared_int8_fake)
+
+
+def _geared_int8_fake(x, packed, scales, native_rows, uniform, index, n):
+    return x.new_empty(x.shape[0], n)
+
+
 def _with_fake(name: str, fake: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The op ``name`` of the namespace, its fake kernel (what torch.compile traces) registered
     once per process."""
@@ -231,6 +244,7 @@ __all__ = [
     "fp16_linear_ops",
     "geared_fp16_linear_op",
     "geared_int4_linear_op",
+    "geared_int8_linear_op",
     "int4_linear_ops",
     "int8_linear_ops",
     "is_cached",

@@ -14,9 +14,9 @@ scattered back in token order; rows at W8A8 and W8A16 on shared int8 codes run a
 GEMM (:func:`~vllm_adaptive.kernels.float_linear.nested_w8a8_w8a16`). The LM head is geared the
 same way (its tiers are copies: the embedding it may be tied to keeps its float weight).
 
-While every row of a step runs the fp16 or the int4 tier, a compiled graph skips the Python
-op: it calls ``vllm_adaptive_native::geared_fp16_linear`` (``kernels/csrc/fp16_linear.cpp``) or
-``geared_int4_linear`` (``kernels/csrc/int4_linear.cpp``), which reads the layer's
+While every row of a step runs the fp16, the int4 or the int8 tier, a compiled graph skips the
+Python op: it calls ``vllm_adaptive_native::geared_fp16_linear``, ``geared_int4_linear`` or
+``geared_int8_linear`` (``kernels/csrc/{fp16,int4,int8}_linear.cpp``), which reads the layer's
 ``uniform_routed`` flag and runs the measured kernel for the row count in C++; with the flag
 clear it calls the Python op above (``GearedLinear.route`` says what it needs). The Python op
 costs 10-25 us a call (121 calls a step on the default model).
@@ -95,6 +95,12 @@ class GearedLinear:
         self.uniform: str | None = None  # the precision every row of the coming steps runs
         self.index = next(_NEXT_INDEX)
         _LINEARS[self.index] = self
+        # the packed tiers that give the layer's weight back up to rounding, checked now: once
+        # vLLM's CPU method has processed its weights a bf16 layer's weight lives only in
+        # oneDNN's packed handle (``layer.weight`` is emptied)
+        self.holding_weight = {
+            p for p, t in tiers.tiers.items() if _is_cpu_packed(t) and _holds_weight(t, w)
+        }
 
     def set_uniform(self, precision: str | None) -> None:
         """Every row of the coming steps runs ``precision`` (None: rows may differ)."""
@@ -107,7 +113,7 @@ class GearedLinear:
         self.uniform_routed[0] = int(routed)
 
     def route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
-        """The C++ op that runs this layer's fp16 or int4 tier without a Python frame while
+        """The C++ op that runs this layer's fp16, int4 or int8 tier without a Python frame while
         every row runs it, and the arguments it needs before the flag (``uniform_routed``):
         the tier's kernel layouts and, per row count, whether the native kernel runs (the
         measured dispatch table, flattened). None where no op can serve: no such tier, a
@@ -118,7 +124,7 @@ class GearedLinear:
         if self.layer.bias is None and not (
             self.controller is not None and self.controller.config.offload_inactive
         ):
-            got = self._fp16_route() or self._int4_route()
+            got = self._fp16_route() or self._int4_route() or self._int8_route()
         self._flag_routed()
         return got
 
@@ -154,6 +160,30 @@ class GearedLinear:
         native_rows = torch.tensor([codes[n] for n in names], dtype=torch.uint8)
         self.routed = "int4"
         return op, (w4, scales, offsets, int4pack, sz, group, native_rows)
+
+    def _int8_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+        from vllm_adaptive.kernels import matmul as mm
+
+        tier = self.tiers.tiers.get("int8")
+        dtype = self.layer.weight.dtype
+        op = native.geared_int8_linear_op()
+        if not isinstance(tier, mm.PackedWeight) or op is None or tier.device.type != "cpu":
+            return None
+        if dtype not in (torch.float32, torch.bfloat16) or "int8" in self.tiers.released:
+            return None
+        last = 2 * BUCKETS[-1]
+        full_from = self.full_from.get("int8", 1 << 62)
+        names = [
+            "full" if m >= full_from else kernel_name(tier, max(m, 1), dtype)
+            for m in range(last + 1)
+        ]
+        tail = "full" if full_from <= last else kernel_name(tier, 1 << 20, dtype)
+        if not set(names) <= {mm.NATIVE_INT8, "full"} or tail != names[-1]:
+            return None
+        w8, scales = mm.prepared_native_int8(tier)
+        native_rows = torch.tensor([int(n == mm.NATIVE_INT8) + 2 * (n == "full") for n in names])
+        self.routed = "int8"
+        return op, (w8, scales, native_rows.to(torch.uint8))
 
     def _fp16_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
         tier = self.tiers.tiers.get("fp16")
@@ -216,7 +246,7 @@ class GearedLinear:
         for precision, tier in self.tiers.tiers.items():
             if not isinstance(tier, PackedWeight) or precision in self.tiers.released:
                 continue
-            if not _holds_weight(tier, w):
+            if precision not in self.holding_weight:
                 continue
             n, k = tier.shape
             key = f"full-vs-{tier.describe().replace(' ', '-')}:{n}x{k}"
@@ -274,6 +304,12 @@ class GearedLinear:
         for precision, index in groups:
             out.index_copy_(0, index, self.run(x.index_select(0, index), precision))
         return out
+
+
+def _is_cpu_packed(tier) -> bool:
+    from vllm_adaptive.kernels.packed import PackedWeight
+
+    return isinstance(tier, PackedWeight) and tier.device.type == "cpu"
 
 
 def _holds_weight(tier, weight: torch.Tensor) -> bool:

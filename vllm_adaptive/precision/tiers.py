@@ -2,8 +2,10 @@
 
 Two ways to hold the precisions a linear may run at:
 
-- ``independent``: each precision quantized straight from the float weight: int8 per-row
-  symmetric (the layout the int8 kernel reads), int4 / int2 with the configured group size and
+- ``independent``: each precision quantized straight from the float weight: int8 symmetric,
+  per row (torch's int8pack layout) or, where the plugin's native int8 kernel runs, in groups
+  with float16 scales (GGUF's Q8_0: a checkpoint dequantized from Q8_0 comes back exactly, and
+  the kernel is faster than int8pack), int4 / int2 with the configured group size and
   symmetry, fp16 and W8A8 (:mod:`vllm_adaptive.kernels.float_linear`, W8A8 optionally smoothed).
   Best quality per tier; memory is the sum of the tiers.
 - ``matryoshka``: one symmetric int8 tensor (grouped as configured); int4 and int2 are its most
@@ -85,8 +87,10 @@ class LinearTiers:
         group_size: int | None,
         symmetric: bool,
         smooth: torch.Tensor | None = None,
+        int8_group_size: int | None = None,
     ) -> LinearTiers:
-        """``smooth``: SmoothQuant factors for the W8A8 tier (``precision/smoothing.py``). The
+        """``smooth``: SmoothQuant factors for the W8A8 tier (``precision/smoothing.py``).
+        ``int8_group_size``: the int8 tier's group of K (float16 scales), None per row. The
         W8A16 tier is never smoothed (its activations need no help; smoothing only moves
         error into the weight); it shares the W8A8 tier's codes when that one is unsmoothed."""
         w = weight.detach().to(torch.float32)
@@ -113,8 +117,14 @@ class LinearTiers:
             else:
                 for p in precisions - {"full"}:
                     bits = BITS[p]
-                    if bits == 8:  # the int8 kernel reads per-row symmetric scales
-                        tiers[p] = quantize(w, 8, None, check_double_quant=False)
+                    if bits == 8:
+                        tiers[p] = quantize(
+                            w,
+                            8,
+                            int8_group_size,
+                            scale_dtype=torch.float32 if int8_group_size is None else torch.float16,
+                            check_double_quant=False,
+                        )
                     else:
                         tiers[p] = quantize(
                             w, bits, group_size, symmetric=symmetric, check_double_quant=False

@@ -7,8 +7,8 @@
 // stored as K consecutive 32-byte rows ([N/32][K][32] int8), read once for up to 8 rows
 // (AVX512; 2 on AVX2), a software prefetch 4 KiB ahead, the packed codes on 2 MiB pages. Each
 // 16 codes become float32 with one sign extension and one conversion; with one scale per
-// column the accumulators are scaled once at the end, with groups of K each code is multiplied
-// by its group's scale as it is converted (one multiply per 16 codes: 5% of a step at 8 rows).
+// column the accumulators are scaled once at the end, with groups of K once per group (AVX512;
+// per code on AVX2, whose 16 registers hold no second set of sums).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,37 +50,47 @@ inline __m512 codes16(const int8_t* w) {
 template <int R, bool Grouped>
 void block(const float* x, int64_t ldx, int64_t K, int64_t group, const int8_t* w,
            const float* s, int64_t lds, float* y, int64_t ldy, int64_t cols) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += group) {
-    const __m512 s0 = _mm512_loadu_ps(s + (k0 / group) * lds);
-    const __m512 s1 = _mm512_loadu_ps(s + (k0 / group) * lds + 16);
-    for (int64_t k = k0; k < k0 + group; ++k, w += kCols) {
+  // The codes are summed against x alone over a chunk of K (a group, or 32 inputs with one
+  // scale per column) and each chunk's sums added into the output (times the group's scale):
+  // one multiply per row and 16 columns per group instead of one per 16 codes, which bounds
+  // the loop at 8 rows, and chunks whose sums start afresh, so that at one row the FMAs of
+  // consecutive chunks overlap instead of waiting on one chain across K.
+  const int64_t chunk = Grouped ? group : 32;
+  alignas(64) float out[R][kCols] = {};  // in memory: 8 rows' sums fill the 32 registers
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int64_t k = k0; k < k1; ++k, w += kCols) {
       _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
-      __m512 w0 = codes16(w), w1 = codes16(w + 16);
-      if constexpr (Grouped) {
-        w0 = _mm512_mul_ps(w0, s0);
-        w1 = _mm512_mul_ps(w1, s1);
-      }
+      const __m512 w0 = codes16(w), w1 = codes16(w + 16);
       for (int r = 0; r < R; ++r) {
         const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
         acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
         acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
       }
     }
-  }
-  if constexpr (!Grouped) {
-    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_mul_ps(acc[r][0], s0);
-      acc[r][1] = _mm512_mul_ps(acc[r][1], s1);
+    if constexpr (Grouped) {
+      const __m512 s0 = _mm512_loadu_ps(s + (k0 / group) * lds);
+      const __m512 s1 = _mm512_loadu_ps(s + (k0 / group) * lds + 16);
+      for (int r = 0; r < R; ++r) {
+        _mm512_store_ps(out[r], _mm512_fmadd_ps(acc[r][0], s0, _mm512_load_ps(out[r])));
+        _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(acc[r][1], s1, _mm512_load_ps(out[r] + 16)));
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        _mm512_store_ps(out[r], _mm512_add_ps(acc[r][0], _mm512_load_ps(out[r])));
+        _mm512_store_ps(out[r] + 16, _mm512_add_ps(acc[r][1], _mm512_load_ps(out[r] + 16)));
+      }
     }
   }
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 s0 = Grouped ? one : _mm512_loadu_ps(s), s1 = Grouped ? one : _mm512_loadu_ps(s + 16);
   const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_load_ps(out[r]), s0));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_load_ps(out[r] + 16), s1));
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -202,14 +212,41 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// The int8 gear's linear as a compiled graph calls it (int4_linear.cpp's geared op, for int8
+// codes): while every row of the step runs the int8 gear (`uniform[0] != 0`),
+// `native_rows[min(M, len - 1)]` == 1 runs int8_linear here (bf16 rows cast to float32 and
+// back); otherwise, and for rows that run the layer's own weight (2), the plugin's Python op.
+at::Tensor geared_int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales, const at::Tensor& native_rows,
+                              const at::Tensor& uniform, int64_t index, int64_t out_features) {
+  const auto dtype = x.scalar_type();
+  if (uniform.data_ptr<uint8_t>()[0] != 0 && x.dim() == 2 &&
+      (dtype == at::kFloat || dtype == at::kBFloat16)) {
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    const int64_t last = native_rows.numel() - 1;
+    if (native_rows.data_ptr<uint8_t>()[std::min(xc.size(0), last)] == 1) {
+      if (dtype == at::kFloat) return int8_linear(xc, packed, scales, out_features);
+      return int8_linear(xc.to(at::kFloat), packed, scales, out_features).to(dtype);
+    }
+  }
+  static const auto python_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
+                                    .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return python_op.call(x, index, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
   m.def("int8_pack(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
+  m.def(
+      "geared_int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor native_rows, "
+      "Tensor uniform, int index, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_adaptive_native, CPU, m) {
   m.impl("int8_pack", &int8_pack);
   m.impl("int8_linear", &int8_linear);
+  m.impl("geared_int8_linear", &geared_int8_linear);
 }
