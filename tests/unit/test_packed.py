@@ -464,6 +464,14 @@ def test_native_int4_kernel_computes_the_grid_at_any_shape(n: int, k: int) -> No
             ref = x.double() @ ref_w.t()
             assert y.shape == (m, n)
             assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5, (p.describe(), m)
+            # bf16 rows (the vdpbf16ps loop where the CPU has AVX512-BF16): float32 out, the
+            # same sums of exact products
+            xb = x.bfloat16()
+            yb = ops[1](xb, *layout, n)
+            refb = xb.double() @ ref_w.t()
+            assert yb.shape == (m, n) and yb.dtype == torch.float32
+            err = float((yb.double() - refb).abs().max() / refb.abs().max())
+            assert err < 1e-5, (p.describe(), m, err)
     with pytest.raises(RuntimeError, match=r"codes must lie in \[-8, 7\]"):
         ops[0](torch.full((n, k), 9, dtype=torch.int8), torch.ones(n, 1), None)
 

@@ -123,7 +123,9 @@ class PrecisionConfig(_Strict):
     level whose layer precision is not ``full`` (an int4 / int8 head costs agreement that fp16
     keeps), ``full`` where it is; on bf16 / fp16 engines the head's own weight at every level
     (fp16 weights compute in float32 there: as many bytes as bf16, and 4x slower than vLLM's
-    bf16 GEMM at 8 tokens on an AMX Xeon)."""
+    bf16 GEMM at 8 tokens on an AMX Xeon; ``int8``, grouped, gives the default model's tied head
+    back exactly, a Q8_0 dequantization, but did not measure faster through ``vllm serve`` on an
+    AVX512-BF16 EPYC: docs/results.md)."""
     smoothing: SmoothingConfig | None = None
     """SmoothQuant smoothing of the ``w8a8`` tiers, from a profile made by
     ``vllm-adaptive calibrate --smoothing``."""

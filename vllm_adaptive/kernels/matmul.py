@@ -12,7 +12,8 @@ Paths (names are what :func:`choose_path` returns and what ``path=`` forces):
   (zero = half a step); per-row scales are repeated over the largest such group dividing K.
   Needs bits 4 or 2, N a multiple of 16 and K a multiple of 32. Scales must be in x's dtype.
 - ``int4pack_f32``: the same on ``x.float()``, cast back.
-- ``native_int4``: the plugin's C++ kernel for float32 activations (``csrc/int4_linear.cpp``):
+- ``native_int4``: the plugin's C++ kernel for float32 and bf16 activations (bf16 rows on
+  AVX512-BF16's dot product where the CPU has it) (``csrc/int4_linear.cpp``):
   the int4 / int2 codes with their group scales and offsets streamed once for up to 8 rows
   (a decode step's), an L1-resident block re-read for more (a prompt's). Needs the native
   kernels built (AVX2 / FMA); where they are not, its rules fall back to ``dequant_f32``.
@@ -134,8 +135,8 @@ _INF = float("inf")
 # int8 in groups of K (symmetric, float16 scales: GGUF's Q8_0), bf16 and float32: the plugin's
 #   native_int8 kernel where it is built, else dequant_f32. 2026-12-02 on the AVX512-BF16 EPYC,
 #   one thread, the LM head of SmolLM2 (49152x576, streamed from memory), ms a call at 1 / 8
-#   rows: native_int8 g32 1.07 / 2.68 (before its scales were applied once per group), torch's
-#   int8pack per-row 1.56 / 3.74, bf16 F.linear 3.51 / 4.21 (oneDNN's GEMM, what stock runs:
+#   rows: native_int8 g32 0.87 / 2.40 (per-row scales 0.74 / 2.05), torch's int8pack per-row
+#   1.5 / 3.7, bf16 F.linear 3.51 / 4.21 (oneDNN's GEMM, what stock runs:
 #   1.9 at one row in a profiled server step). Per-row int8 weights time int8pack against
 #   native_int8 at engine start (bf16; float32: native_int8 against dequant_f32).
 # bf16, other weights (no native kernel): dequant_f32 always; bf16 dequant pays the bf16 GEMM,
@@ -372,7 +373,11 @@ def bound_kernel(packed: PackedWeight, path: str, dtype: torch.dtype):
 
                 def fn(x: torch.Tensor) -> torch.Tensor:
                     return op(x, w4, sc, off, n)
-            else:  # half-precision rows: the float32 kernel, rows cast in and out
+            elif dtype == torch.bfloat16:  # the kernel's bf16 dot-product loop, float32 out
+
+                def fn(x: torch.Tensor) -> torch.Tensor:
+                    return op(x, w4, sc, off, n).to(dtype)
+            else:  # fp16 rows: the float32 kernel, rows cast in and out
 
                 def fn(x: torch.Tensor) -> torch.Tensor:
                     return op(x.float(), w4, sc, off, n).to(dtype)
@@ -620,7 +625,8 @@ def _run(path: str, x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         return _dequant_f32(x, packed)
     if path == NATIVE_INT4:
         w, sc, off = _native_int4_layout(packed)
-        y = _native_int4_op()(x.to(torch.float32).contiguous(), w, sc, off, packed.shape[0])
+        xk = x if x.dtype == torch.bfloat16 else x.to(torch.float32)
+        y = _native_int4_op()(xk.contiguous(), w, sc, off, packed.shape[0])
         return y.to(x.dtype)
     if path == NATIVE_INT8:
         w, sc = _native_int8_layout(packed)

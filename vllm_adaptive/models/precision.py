@@ -47,7 +47,6 @@ def install_precision(
     dtype_name = str(parts.head.weight.dtype).removeprefix("torch.")
     from vllm_adaptive.kernels.float_linear import amx_int8_available, cpu_has_int8_dot
 
-    head_default = "head_gears" not in cfg.model_fields_set
     try:
         cfg = cfg.for_dtype(dtype_name, amx_int8=amx_int8_available(), int8_dot=cpu_has_int8_dot())
     except ValueError as e:
@@ -84,8 +83,6 @@ def install_precision(
     stats = _smoothing_stats(cfg, model_dir)
     alpha = cfg.smoothing.alpha if cfg.smoothing is not None else 0.5
     head_map = cfg.head_map
-    if head_default and cfg.head_gears == ("full",) * 3 and parts.head is not None:
-        head_map = exact_int8_head_map(parts.head.weight, cfg.group_size) or head_map
     if head_map is not None and parts.head is not None:
         linears.append((num_layers, "lm_head", parts.head))
     geared = []
@@ -143,28 +140,6 @@ def install_precision(
         autotune.table().summary(),
     )
     return controller
-
-
-def exact_int8_head_map(weight: torch.Tensor, group_size: int | None) -> tuple[str, ...] | None:
-    """``("int8",) * 3`` where the grouped int8 tier gives the head's weight back to the bit (a
-    checkpoint dequantized from GGUF's Q8_0, as the default model's tied head): the int8 head is
-    then the checkpoint's own head at half the bytes (the native kernel: 0.9 ms a step at one
-    row against oneDNN's bf16 GEMM's 1.9 on an AVX512-BF16 EPYC). None where it does not."""
-    from vllm_adaptive.kernels.packed import dequantize, quantize
-
-    group = int8_group_size(group_size, weight.device)
-    if group is None or weight.dtype == torch.float32:
-        return None
-    w = weight.detach()
-    tier = quantize(w, 8, group, scale_dtype=torch.float16, check_double_quant=False)
-    if not torch.equal(dequantize(tier, torch.float32).to(w.dtype), w):
-        return None
-    logger.info(
-        "vllm-adaptive: the LM head runs int8 in groups of %d: its codes give the checkpoint's "
-        "weight back exactly (a Q8_0 source), at half the bytes",
-        group,
-    )
-    return ("int8",) * 3
 
 
 def int8_group_size(group_size: int | None, device: torch.device) -> int | None:

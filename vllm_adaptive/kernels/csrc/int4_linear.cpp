@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -153,6 +154,85 @@ void block(const float* x, int64_t ldx, const float*, int64_t, int64_t K, int64_
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBf16Dot = true;
+// bf16 rows on CPUs with AVX512-BF16: two k at a time, the raw codes u of columns j at k and
+// k + 1 as one bf16 pair per 32-bit lane (a table lookup of 0..15, exact in bf16), multiplied
+// with the rows' (x_k, x_k+1) pairs by vdpbf16ps: 32 products an instruction against 16 for the
+// float32 FMA loop, which is what bounds that loop from about 4 rows on (the 4-bit weights
+// stream in a third of bf16's time). Products of bf16 values are exact in float32 and sums are
+// float32, as in the float32 loop over bf16 rows cast up; the group's scale and offset as there.
+inline __m512i bf16_of_nibbles() {
+  alignas(64) uint16_t words[32];
+  for (int i = 0; i < 32; ++i) {
+    const float f = static_cast<float>(i & 15);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    words[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(words);
+}
+
+template <int R>
+void block_bf16(const uint16_t* x, int64_t ldx, const float* xsum, int64_t G, int64_t group,
+                const uint8_t* w, const float* s, const float* o, int64_t lds, float* y,
+                int64_t ldy, int64_t cols) {
+  static const __m512i lut = bf16_of_nibbles();
+  const __m512i nibble = _mm512_set1_epi16(0xF);
+  alignas(64) float out[R][kCols] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t k0 = g * group;
+    for (int64_t k = k0; k < k0 + group; k += 2, w += 2 * kBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch), _MM_HINT_T0);
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kBytes));
+      // bytes a_0 b_0 a_1 b_1 ... a_15 b_15: column j's codes at k and k + 1 side by side
+      const __m512i q =
+          _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(q, nibble), lut);
+      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), lut);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, x + r * ldx + k, sizeof pair);
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(s + g * lds), s1 = _mm512_loadu_ps(s + g * lds + 16);
+    const __m512 o0 = _mm512_loadu_ps(o + g * lds), o1 = _mm512_loadu_ps(o + g * lds + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(xsum[r * G + g]);
+      _mm512_store_ps(out[r], _mm512_fmadd_ps(acc[r][0], s0,
+                                              _mm512_fmadd_ps(xs, o0, _mm512_load_ps(out[r]))));
+      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(acc[r][1], s1,
+                                                   _mm512_fmadd_ps(xs, o1, _mm512_load_ps(out[r] + 16))));
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_load_ps(out[r]));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_load_ps(out[r] + 16));
+  }
+}
+
+template <int R>
+void rows_of_block_bf16(const uint16_t* x, int64_t ldx, const float* xsum, int64_t G,
+                        int64_t group, const uint8_t* w, const float* s, const float* o,
+                        int64_t lds, float* y, int64_t ldy, int64_t cols, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R)
+      return rows_of_block_bf16<R - 1>(x, ldx, xsum, G, group, w, s, o, lds, y, ldy, cols, rows);
+  }
+  block_bf16<R>(x, ldx, xsum, G, group, w, s, o, lds, y, ldy, cols);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 template <int R>
 void rows_of_block(const float* x, int64_t ldx, const float* xsum, int64_t G, int64_t K,
                    int64_t group, const uint8_t* w, const float* s, const float* o, int64_t lds,
@@ -211,11 +291,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_pack(const at::Tensor& codes
   return {packed, sp, op};
 }
 
+// bf16 rows [M, K] (checked by int4_linear) -> float32 [M, out_features] on the vdpbf16ps loop
+at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& offsets, int64_t out_features) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (M == 0) return y;
+  const int64_t G = scales.size(0), group = K / G, lds = blocks * kCols;
+  const at::Tensor xf = x.to(at::kFloat);  // the groups' sums of x, for the offsets
+  const at::Tensor xsum = xf.view({M, G, group}).sum(2).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const float* xs = xsum.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min(kCols, out_features - b * kCols);
+      const uint8_t* w = wp + b * K * kBytes;
+      for (int64_t r = 0; r < M; r += kRows) {
+        rows_of_block_bf16<kRows>(xp + r * K, K, xs + r * G, G, group, w, sp + b * kCols,
+                                  op + b * kCols, lds, yp + r * out_features + b * kCols,
+                                  out_features, cols, std::min<int64_t>(kRows, M - r));
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t out_features) {
   TORCH_CHECK(kSupported, "int4_linear: this build has no AVX2 / FMA (built without them)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int4_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: x must be a contiguous 2-D float32 or bfloat16 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte &&
                   packed.size(2) == kBytes && packed.is_contiguous(),
               "int4_linear: packed must come from int4_pack");
@@ -229,6 +341,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   offsets.scalar_type() == at::kFloat && offsets.is_contiguous(),
               "int4_linear: scales and offsets must come from int4_pack with the codes");
   const int64_t G = scales.size(0), group = K / G, lds = blocks * kCols;
+  if (x.scalar_type() == at::kBFloat16) {
+    if (kBf16Dot && group % 2 == 0) return int4_linear_bf16(x, packed, scales, offsets, out_features);
+    return int4_linear(x.to(at::kFloat), packed, scales, offsets, out_features);
+  }
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -260,8 +376,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // The int4 gear's linear as a compiled graph calls it: the step's kernel chosen here, without a
 // Python frame, while every row of the step runs the int4 gear (`uniform[0] != 0`, set by the
 // precision controller); otherwise the plugin's Python op, which groups the rows by gear.
-// `native_rows[min(M, len - 1)]` picks for M rows: 1 int4_linear (bf16 rows cast to float32 and
-// back), 0 torch's int4pack kernel (`int4pack`, its scale-and-zeros and group; absent where
+// `native_rows[min(M, len - 1)]` picks for M rows: 1 int4_linear (bf16 rows on its vdpbf16ps
+// loop where the CPU has one, else cast to float32), 0 torch's int4pack kernel (`int4pack`, its scale-and-zeros and group; absent where
 // dispatch never picks it), 2 the Python op (rows that run the layer's own weight): the measured
 // dispatch table, flattened by the Python side.
 at::Tensor geared_int4_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -278,7 +394,7 @@ at::Tensor geared_int4_linear(const at::Tensor& x, const at::Tensor& packed,
     const uint8_t code = native_rows.data_ptr<uint8_t>()[std::min(xc.size(0), last)];
     if (code == 1) {
       if (dtype == at::kFloat) return int4_linear(xc, packed, scales, offsets, out_features);
-      return int4_linear(xc.to(at::kFloat), packed, scales, offsets, out_features).to(dtype);
+      return int4_linear(xc, packed, scales, offsets, out_features).to(dtype);
     }
     if (code == 0 && int4pack.has_value() && int4pack_scale_zeros.has_value())
       return at::_weight_int4pack_mm_for_cpu(xc, *int4pack, int4pack_group,
