@@ -283,3 +283,21 @@ def test_full_from_follows_the_measurement(tmp_path, monkeypatch, fast: bool, on
     assert g.layer.weight.numel() == 0
     g.measure_full_from()
     assert g.full_from == ({"int4": FULL_MIN_ROWS} if fast and on_grid else {})
+
+
+def test_a_streamed_weight_hands_rows_over_from_two(tmp_path, monkeypatch) -> None:
+    """A weight too large to stay in cache (the LM head) is timed as it runs, so its own weight
+    may take rows from 2 on where it measures faster there; a cache-sized one waits for
+    FULL_MIN_ROWS."""
+    from vllm_adaptive.kernels import autotune
+    from vllm_adaptive.precision import linear as geared
+
+    monkeypatch.setattr(autotune, "CELL_SECONDS", 0.005)
+    monkeypatch.delenv("ADAPTIVE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_TABLE", autotune.DispatchTable(tmp_path / "t.json"))
+    g = _int4_layer(_TimedMethod(fast=True))
+    monkeypatch.setattr(geared, "STREAMED_BYTES", g.full_bytes)  # this toy layer counts as large
+    g.autotune(64)
+    g.base_method.process_weights_after_loading(g.layer)
+    g.measure_full_from()
+    assert g.full_from == {"int4": 2}

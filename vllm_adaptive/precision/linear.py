@@ -50,6 +50,11 @@ _LINEARS: weakref.WeakValueDictionary[int, GearedLinear] = weakref.WeakValueDict
 #: 4-bit 16.5 ms against oneDNN bf16 17.6 at 8 rows, 32 against 21 at 16); a single layer timed
 #: in cache would undercount that
 FULL_MIN_ROWS = 16
+#: weights of at least this many bytes never stay in cache, so a single layer's timing is how it
+#: runs in a step: for them the layer's own weight may take rows from 2 on (the LM head, 56 MB
+#: in bf16: at 8 rows its int8 tier's FMA loop, 2.4 ms, loses to oneDNN's bf16 GEMM streaming
+#: it; at 1 row the int8 tier reads it in 0.87 ms against about 1.9)
+STREAMED_BYTES = 16 << 20
 #: a packed tier hands rows to the layer's own weight only where it holds that weight up to
 #: rounding: max |dequantized - weight| at most this share of max |weight| (the default model's
 #: Q4_1 grid in int4 g32 asymmetric: 0.15-0.3%, bf16 rounding; symmetric int4: 6-7%). Else the
@@ -232,6 +237,7 @@ class GearedLinear:
         checkpoint's grid: :data:`FULL_SAME_WEIGHT_TOL`) and its kernels lose to that weight at
         many rows (a bf16 engine's oneDNN GEMM against 4-bit kernels: 2x faster at 100 rows on
         an AVX512-BF16 EPYC, slower at 8), rows from the first bucket of :data:`FULL_MIN_ROWS`
+        (2 for weights of :data:`STREAMED_BYTES` or more)
         or more where the float weight wins at every larger bucket run it. Once the layer's
         own method has processed its weights (vLLM's CPU GEMM is bound then)."""
         from vllm_adaptive.kernels import autotune
@@ -239,7 +245,8 @@ class GearedLinear:
 
         max_tokens = self.autotuned_rows
         w = self.layer.weight
-        if not self.keep_full or w.device.type != "cpu" or max_tokens < FULL_MIN_ROWS:
+        min_rows = 2 if self.full_bytes >= STREAMED_BYTES else FULL_MIN_ROWS
+        if not self.keep_full or w.device.type != "cpu" or max_tokens < min_rows:
             return
         full = functools.partial(self.base_method.apply, self.layer, bias=None)
         table = autotune.table()
@@ -254,7 +261,7 @@ class GearedLinear:
             kernels = {"full": full, "packed": functools.partial(linear, tier)}
             table.ensure(key, kernels, k, dtype=w.dtype, max_tokens=max_tokens)
             best = table.measured_bests(key)
-            big = sorted(b for b in best if b >= FULL_MIN_ROWS)
+            big = sorted(b for b in best if b >= min_rows)
             start = None
             for b in reversed(big):
                 if best[b] != "full":
