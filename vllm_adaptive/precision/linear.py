@@ -143,18 +143,8 @@ class GearedLinear:
             return None
         if dtype not in (torch.float32, torch.bfloat16) or "int4" in self.tiers.released:
             return None
-        # index: row count; the last entry serves every larger count (prefill rows). Rows that
-        # run the layer's own weight (``full_from``) go to the Python op.
-        last = 2 * BUCKETS[-1]
-        full_from = self.full_from.get("int4", 1 << 62)
-        names = [
-            "full" if m >= full_from else kernel_name(tier, max(m, 1), dtype)
-            for m in range(last + 1)
-        ]
-        if not set(names) <= {mm.NATIVE_INT4, mm.INT4PACK, "full"}:
-            return None
-        tail = "full" if full_from <= last else kernel_name(tier, 1 << 20, dtype)
-        if tail != names[-1]:
+        names = self._row_paths("int4", tier, dtype)
+        if names is None or not set(names) <= {mm.NATIVE_INT4, mm.INT4PACK, "full"}:
             return None
         w4, scales, offsets = mm.prepared_native_int4(tier)
         int4pack = sz = None
@@ -166,6 +156,19 @@ class GearedLinear:
         self.routed = "int4"
         return op, (w4, scales, offsets, int4pack, sz, group, native_rows)
 
+    def _row_paths(self, precision: str, tier, dtype: torch.dtype) -> list[str] | None:
+        """The path a packed tier's rows take, by row count (index; the last entry serves every
+        larger count: prefill rows), ``"full"`` from ``full_from`` on (the Python op runs the
+        layer's own weight); None where the count beyond the table would take another path."""
+        last = 2 * BUCKETS[-1]
+        full_from = self.full_from.get(precision, 1 << 62)
+        names = [
+            "full" if m >= full_from else kernel_name(tier, max(m, 1), dtype)
+            for m in range(last + 1)
+        ]
+        tail = "full" if full_from <= last else kernel_name(tier, 1 << 20, dtype)
+        return names if tail == names[-1] else None
+
     def _int8_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
         from vllm_adaptive.kernels import matmul as mm
 
@@ -176,14 +179,8 @@ class GearedLinear:
             return None
         if dtype not in (torch.float32, torch.bfloat16) or "int8" in self.tiers.released:
             return None
-        last = 2 * BUCKETS[-1]
-        full_from = self.full_from.get("int8", 1 << 62)
-        names = [
-            "full" if m >= full_from else kernel_name(tier, max(m, 1), dtype)
-            for m in range(last + 1)
-        ]
-        tail = "full" if full_from <= last else kernel_name(tier, 1 << 20, dtype)
-        if not set(names) <= {mm.NATIVE_INT8, "full"} or tail != names[-1]:
+        names = self._row_paths("int8", tier, dtype)
+        if names is None or not set(names) <= {mm.NATIVE_INT8, "full"}:
             return None
         w8, scales = mm.prepared_native_int8(tier)
         native_rows = torch.tensor([int(n == mm.NATIVE_INT8) + 2 * (n == "full") for n in names])

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -32,6 +33,15 @@ inline at::Tensor on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype, con
 inline void check_out_features(const char* who, int64_t out_features, int64_t blocks) {
   TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols, who,
               ": out_features ", out_features, " does not match ", blocks, " blocks of ", kCols);
+}
+
+// The plugin's Python op (``vllm_adaptive::geared_linear``), which groups a step's rows by gear:
+// where a geared op's C++ fast path does not serve the call.
+inline at::Tensor python_geared_linear(const at::Tensor& x, int64_t index, int64_t out_features) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
+                             .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(x, index, out_features);
 }
 
 }  // namespace blocked_weight

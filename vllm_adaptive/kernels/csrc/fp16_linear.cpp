@@ -180,10 +180,7 @@ at::Tensor geared_fp16_linear(const at::Tensor& x, const at::Tensor& packed,
       return fbgemm_op.call(xc, *fbgemm, at::Tensor(), out_features);  // no bias
     }
   }
-  static const auto python_op = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
-                                    .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  return python_op.call(x, index, out_features);
+  return blocked_weight::python_geared_linear(x, index, out_features);
 }
 
 }  // namespace

@@ -400,10 +400,7 @@ at::Tensor geared_int4_linear(const at::Tensor& x, const at::Tensor& packed,
       return at::_weight_int4pack_mm_for_cpu(xc, *int4pack, int4pack_group,
                                              *int4pack_scale_zeros);
   }
-  static const auto python_op = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
-                                    .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  return python_op.call(x, index, out_features);
+  return blocked_weight::python_geared_linear(x, index, out_features);
 }
 
 }  // namespace

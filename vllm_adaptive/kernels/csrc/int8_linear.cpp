@@ -229,10 +229,7 @@ at::Tensor geared_int8_linear(const at::Tensor& x, const at::Tensor& packed,
       return int8_linear(xc.to(at::kFloat), packed, scales, out_features).to(dtype);
     }
   }
-  static const auto python_op = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("vllm_adaptive::geared_linear", "")
-                                    .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  return python_op.call(x, index, out_features);
+  return blocked_weight::python_geared_linear(x, index, out_features);
 }
 
 }  // namespace
