@@ -112,6 +112,36 @@ def test_cpp_op_follows_its_row_table_to_either_kernel(needs_native) -> None:
             assert torch.equal(y, native_y if m <= 2 else fbgemm_y), m
 
 
+def _assert_cpp_route(method, precision: str, dtype, rows) -> None:
+    """Under torch.compile, a step whose rows all run ``precision`` gives exactly what the
+    Python op's kernel gives at each row count without entering Python (a spy on the Python
+    call stays empty); a full-precision step goes to Python and runs the float weight."""
+    g, layer = method.geared, method.geared.layer
+    tier = g.tiers.tiers[precision]
+    calls = []
+
+    def spy(x):
+        calls.append(x.shape[0])
+        return linear(tier, x)
+
+    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        g.set_uniform(precision)
+        assert int(g.uniform_routed[0]) == 1
+        g.fast = spy
+        for m in rows:
+            x = torch.randn(m, K).to(dtype)
+            y = compiled(x)
+            assert y.dtype == dtype
+            assert torch.equal(y, linear(tier, x)), (m, kernel_name(tier, m, dtype))
+        assert calls == []
+        g.set_uniform("full")
+        assert int(g.uniform_routed[0]) == 0
+        x = torch.randn(5, K).to(dtype)
+        assert torch.equal(compiled(x), F.linear(x, layer.weight))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_graph_runs_the_int4_gear_in_cpp(dtype) -> None:
     """The int4 gear's op (``geared_int4_linear``): on a float32 or bf16 layer, every row count
@@ -136,28 +166,7 @@ def test_compiled_graph_runs_the_int4_gear_in_cpp(dtype) -> None:
     assert paths <= {mm.NATIVE_INT4, mm.INT4PACK}, paths
     if dtype == torch.float32:
         assert paths == {mm.NATIVE_INT4}  # torch's int4pack runs float32 rows 6-55x slower
-    calls = []
-
-    def spy(x):
-        calls.append(x.shape[0])
-        return linear(tier, x)
-
-    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        g.set_uniform("int4")
-        assert int(g.uniform_routed[0]) == 1
-        g.fast = spy
-        for m in (1, 3, 17, 40, 300):
-            x = torch.randn(m, K).to(dtype)
-            y = compiled(x)
-            assert y.dtype == dtype
-            assert torch.equal(y, linear(tier, x)), (m, kernel_name(tier, m, dtype))
-        assert calls == []
-        g.set_uniform("full")
-        assert int(g.uniform_routed[0]) == 0
-        x = torch.randn(5, K).to(dtype)
-        assert torch.equal(compiled(x), F.linear(x, layer.weight))
+    _assert_cpp_route(method, "int4", dtype, (1, 3, 17, 40, 300))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -182,28 +191,7 @@ def test_compiled_graph_runs_the_int8_gear_in_cpp(dtype) -> None:
     assert method.use_route() and g.routed == "int8"
     tier = g.tiers.tiers["int8"]
     assert {kernel_name(tier, m, dtype) for m in (1, 9, 300)} == {mm.NATIVE_INT8}
-    calls = []
-
-    def spy(x):
-        calls.append(x.shape[0])
-        return linear(tier, x)
-
-    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        g.set_uniform("int8")
-        assert int(g.uniform_routed[0]) == 1
-        g.fast = spy
-        for m in (1, 3, 17, 300):
-            x = torch.randn(m, K).to(dtype)
-            y = compiled(x)
-            assert y.dtype == dtype
-            assert torch.equal(y, linear(tier, x)), m
-        assert calls == []
-        g.set_uniform("full")
-        assert int(g.uniform_routed[0]) == 0
-        x = torch.randn(5, K).to(dtype)
-        assert torch.equal(compiled(x), F.linear(x, layer.weight))
+    _assert_cpp_route(method, "int8", dtype, (1, 3, 17, 300))
 
 
 def _int4_layer(base, on_grid: bool = True) -> GearedLinear:

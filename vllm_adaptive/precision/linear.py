@@ -183,9 +183,10 @@ class GearedLinear:
         if names is None or not set(names) <= {mm.NATIVE_INT8, "full"}:
             return None
         w8, scales = mm.prepared_native_int8(tier)
-        native_rows = torch.tensor([int(n == mm.NATIVE_INT8) + 2 * (n == "full") for n in names])
+        codes = {mm.NATIVE_INT8: 1, "full": 2}
+        native_rows = torch.tensor([codes[n] for n in names], dtype=torch.uint8)
         self.routed = "int8"
-        return op, (w8, scales, native_rows.to(torch.uint8))
+        return op, (w8, scales, native_rows)
 
     def _fp16_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
         tier = self.tiers.tiers.get("fp16")
@@ -234,9 +235,9 @@ class GearedLinear:
         checkpoint's grid: :data:`FULL_SAME_WEIGHT_TOL`) and its kernels lose to that weight at
         many rows (a bf16 engine's oneDNN GEMM against 4-bit kernels: 2x faster at 100 rows on
         an AVX512-BF16 EPYC, slower at 8), rows from the first bucket of :data:`FULL_MIN_ROWS`
-        (2 for weights of :data:`STREAMED_BYTES` or more)
-        or more where the float weight wins at every larger bucket run it. Once the layer's
-        own method has processed its weights (vLLM's CPU GEMM is bound then)."""
+        or more (2 or more for weights of :data:`STREAMED_BYTES`) where the float weight wins
+        at every larger bucket run it. Once the layer's own method has processed its weights
+        (vLLM's CPU GEMM is bound then)."""
         from vllm_adaptive.kernels import autotune
         from vllm_adaptive.kernels.packed import PackedWeight
 

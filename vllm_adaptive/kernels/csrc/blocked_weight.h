@@ -35,6 +35,19 @@ inline void check_out_features(const char* who, int64_t out_features, int64_t bl
               ": out_features ", out_features, " does not match ", blocks, " blocks of ", kCols);
 }
 
+// A geared op's row-table entry (`native_rows[min(M, len - 1)]`) for x's M rows while every row
+// of the step runs the op's gear (`uniform[0] != 0`) and x is 2-D float32 or bf16; -1 otherwise,
+// where the plugin's Python op serves the call.
+inline int routed_row_code(const at::Tensor& x, const at::Tensor& native_rows,
+                           const at::Tensor& uniform) {
+  const auto dtype = x.scalar_type();
+  if (uniform.data_ptr<uint8_t>()[0] == 0 || x.dim() != 2 ||
+      (dtype != at::kFloat && dtype != at::kBFloat16))
+    return -1;
+  const int64_t last = native_rows.numel() - 1;
+  return native_rows.data_ptr<uint8_t>()[std::min(x.size(0), last)];
+}
+
 // The plugin's Python op (``vllm_adaptive::geared_linear``), which groups a step's rows by gear:
 // where a geared op's C++ fast path does not serve the call.
 inline at::Tensor python_geared_linear(const at::Tensor& x, int64_t index, int64_t out_features) {

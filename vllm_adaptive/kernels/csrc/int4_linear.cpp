@@ -299,8 +299,8 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (M == 0) return y;
   const int64_t G = scales.size(0), group = K / G, lds = blocks * kCols;
-  const at::Tensor xf = x.to(at::kFloat);  // the groups' sums of x, for the offsets
-  const at::Tensor xsum = xf.view({M, G, group}).sum(2).contiguous();
+  // the groups' sums of x (for the offsets), summed in float32
+  const at::Tensor xsum = at::sum(x.view({M, G, group}), {2}, false, at::kFloat).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const float* xs = xsum.data_ptr<float>();
   const float* sp = scales.data_ptr<float>();
@@ -386,20 +386,12 @@ at::Tensor geared_int4_linear(const at::Tensor& x, const at::Tensor& packed,
                               const std::optional<at::Tensor>& int4pack_scale_zeros,
                               int64_t int4pack_group, const at::Tensor& native_rows,
                               const at::Tensor& uniform, int64_t index, int64_t out_features) {
-  const auto dtype = x.scalar_type();
-  if (uniform.data_ptr<uint8_t>()[0] != 0 && x.dim() == 2 &&
-      (dtype == at::kFloat || dtype == at::kBFloat16)) {
-    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
-    const int64_t last = native_rows.numel() - 1;
-    const uint8_t code = native_rows.data_ptr<uint8_t>()[std::min(xc.size(0), last)];
-    if (code == 1) {
-      if (dtype == at::kFloat) return int4_linear(xc, packed, scales, offsets, out_features);
-      return int4_linear(xc, packed, scales, offsets, out_features).to(dtype);
-    }
-    if (code == 0 && int4pack.has_value() && int4pack_scale_zeros.has_value())
-      return at::_weight_int4pack_mm_for_cpu(xc, *int4pack, int4pack_group,
-                                             *int4pack_scale_zeros);
-  }
+  const int code = blocked_weight::routed_row_code(x, native_rows, uniform);
+  if (code == 1)  // float32 out: a no-op cast for float32 rows
+    return int4_linear(x.contiguous(), packed, scales, offsets, out_features).to(x.scalar_type());
+  if (code == 0 && int4pack.has_value() && int4pack_scale_zeros.has_value())
+    return at::_weight_int4pack_mm_for_cpu(x.contiguous(), *int4pack, int4pack_group,
+                                           *int4pack_scale_zeros);
   return blocked_weight::python_geared_linear(x, index, out_features);
 }
 

@@ -219,16 +219,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 at::Tensor geared_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales, const at::Tensor& native_rows,
                               const at::Tensor& uniform, int64_t index, int64_t out_features) {
-  const auto dtype = x.scalar_type();
-  if (uniform.data_ptr<uint8_t>()[0] != 0 && x.dim() == 2 &&
-      (dtype == at::kFloat || dtype == at::kBFloat16)) {
-    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
-    const int64_t last = native_rows.numel() - 1;
-    if (native_rows.data_ptr<uint8_t>()[std::min(xc.size(0), last)] == 1) {
-      if (dtype == at::kFloat) return int8_linear(xc, packed, scales, out_features);
-      return int8_linear(xc.to(at::kFloat), packed, scales, out_features).to(dtype);
-    }
-  }
+  if (blocked_weight::routed_row_code(x, native_rows, uniform) == 1)  // float32 kernel
+    return int8_linear(x.to(at::kFloat).contiguous(), packed, scales, out_features)
+        .to(x.scalar_type());
   return blocked_weight::python_geared_linear(x, index, out_features);
 }
 
