@@ -185,9 +185,15 @@ def _cmd_train_m2r2(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from vllm_adaptive.speculative.train_eagle3 import run_from_args
 
-    return run_from_args(args)
+    windows = None  # the trainer imports no vLLM: its engine comes from here where installed
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm_adaptive.engine.greedy_windows import VllmWindows as windows
+
+    return run_from_args(args, windows)
 
 
 def _cmd_oracle(args: argparse.Namespace) -> int:

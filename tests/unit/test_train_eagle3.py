@@ -352,6 +352,25 @@ def test_train_device_resolution() -> None:
     assert edata.compute_dtype("float32", cuda) == torch.float32
 
 
+def test_window_generator_resolution() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    factory = object()  # what the CLI hands over where vLLM is installed
+    assert edata.window_generator("auto", cpu, factory) == "vllm"
+    assert edata.window_generator("auto", cpu, None) == "transformers"
+    assert edata.window_generator("auto", cuda, factory) == "transformers"  # the lent GPUs
+    assert edata.window_generator("transformers", cpu, factory) == "transformers"
+    with pytest.raises(ed.DraftTrainError, match="not installed"):
+        edata.window_generator("vllm", cpu, None)
+    with pytest.raises(ed.DraftTrainError, match="--generator 'hf'"):
+        edata.window_generator("hf", cpu, factory)
+    args = (
+        __import__("vllm_adaptive.cli", fromlist=["x"])
+        .build_parser()
+        .parse_args("train draft --model M --corpus a --out H --generator transformers".split())
+    )
+    assert te.options_from_args(args).generator == "transformers"
+
+
 # -- the command end to end: data cache, resume, the saved head -------------------------------
 def _opts(target: Path, corpus: Path, out: Path, **kw) -> DraftTrainOptions:
     base = dict(
@@ -376,6 +395,7 @@ def _opts(target: Path, corpus: Path, out: Path, **kw) -> DraftTrainOptions:
         threads=1,
         data_batch=4,
         compute_dtype="float32",
+        generator="transformers",  # vLLM's windows: tests/engine/test_greedy_windows.py
         progress=False,
     )
     base.update(kw)
@@ -491,6 +511,7 @@ def test_cli_parses_train_draft() -> None:
     assert opts.draft_vocab == 8192 and opts.ttt_steps == 3 and opts.eval_k == 3
     assert opts.data_source == "text" and opts.compute_dtype == "auto" and opts.head_layers == 1
     assert opts.device == "auto" and opts.init_head is None
+    assert opts.generator == "auto" and opts.gen_batch is None  # resolved when training starts
     te.resolve_prompt_lengths(opts)
     assert (opts.gen_prompt_len, opts.eval_prompt_len) == (32, 64)
     chat = te.options_from_args(

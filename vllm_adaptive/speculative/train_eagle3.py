@@ -13,7 +13,8 @@ flex attention, and its data generation reads hidden states from a running vLLM 
 loop here is written from vLLM's model code; the recipe is the same (EAGLE-3 with training-time
 test, a truncated draft vocabulary with ``d2t``/``t2d``).
 
-The recipe (no vLLM here: transformers for the target, plain torch for the head):
+The recipe (transformers for the target's passes, plain torch for the head; vLLM's engine
+only writes the generated windows' tokens where it is installed, ``--generator``):
 
 1. Data: ``--tokens`` tokens of the corpora's *calibration* split (windows of ``--seq-len``,
    spread evenly over each file) run through the target (float32, no grad). Per position: the
@@ -80,12 +81,14 @@ from vllm_adaptive.speculative.draft_args import (
     resolve_prompt_lengths,
 )
 from vllm_adaptive.speculative.eagle3_data import (
+    WindowsFactory,
     build_data,
     choose_draft_vocab,
     compute_dtype,
     data_spec,
     eval_valid,
     train_device,
+    window_generator,
 )
 from vllm_adaptive.speculative.eagle3_draft import (
     DraftTrainError,
@@ -137,6 +140,7 @@ _RESUME_KEYS = (
     "seed",
     "corpus_sha256",
     "data_source",
+    "generator",
     "gen_prompt_len",
     "compute_dtype",
     "head_layers",
@@ -206,7 +210,9 @@ def _initial_head(opts: DraftTrainOptions) -> tuple[dict[str, Any], dict, torch.
     return cfg, weights, draft_ids
 
 
-def train(opts: DraftTrainOptions) -> dict[str, Any]:
+def train(opts: DraftTrainOptions, vllm_windows: WindowsFactory | None = None) -> dict[str, Any]:
+    """The recipe above; ``vllm_windows`` writes generated windows with vLLM's engine where the
+    caller has one (the CLI passes ``engine.greedy_windows.VllmWindows``)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -239,11 +245,14 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
         )
     device = train_device(opts.device)
     dtype = compute_dtype(opts.compute_dtype, device)
+    opts.generator = window_generator(opts.generator, device, vllm_windows)
+    if opts.gen_batch is None:
+        opts.gen_batch = 256 if opts.generator == "vllm" else 64
     model = LlamaForCausalLM.from_pretrained(str(opts.model), dtype=dtype)
     model.to(device).eval().requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(opts.model))
     spec = data_spec(opts, fingerprint, layers)
-    data = build_data(model, tok, opts, corpora, layers, work / DATA_DIR, spec)
+    data = build_data(model, tok, opts, corpora, layers, work / DATA_DIR, spec, vllm_windows)
     eos = tok.eos_token_id
     target_state = {k: v.float().cpu() for k, v in model.state_dict().items()}
     del model
@@ -355,6 +364,7 @@ def train(opts: DraftTrainOptions) -> dict[str, Any]:
             "aux_layers": layers,
             "draft_vocab_size": opts.draft_vocab,
             "draft_vocab_greedy_coverage": covered,
+            "data_generator": opts.generator if opts.data_source != "text" else None,
             "data_tokens": int(data.tokens.numel()),
             "data_seconds": data.gen_seconds,
             "steps": step,
@@ -514,10 +524,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 # -- CLI --------------------------------------------------------------------------------------
-def run_from_args(args: argparse.Namespace) -> int:
+def run_from_args(args: argparse.Namespace, vllm_windows: WindowsFactory | None = None) -> int:
     opts = options_from_args(args)
     try:
-        res = train(opts)
+        res = train(opts, vllm_windows)
     except DraftTrainError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
