@@ -1,7 +1,7 @@
 """Greedy training windows written by vLLM itself: the target continues each prompt as a server
 does (vLLM's batched decode over its paged KV cache). On 2 CPU cores this is where a generated
-data set's time goes, and vLLM's engine decodes 2.1-2.3x the tokens/s of transformers' batched
-decode (AVX512-BF16 EPYC, bf16: 670-750 tok/s at 256 prompts against 322 at 64; wider
+data set's time goes, and vLLM's engine decodes about 2.2x the tokens/s of transformers' batched
+decode (AVX512-BF16 EPYC, bf16, one shard: 577 tok/s at 256 prompts against 263 at 64; wider
 transformers batches only grow its cache copies). The tokens are the served target's own, which
 is what a head drafts against."""
 

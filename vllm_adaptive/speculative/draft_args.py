@@ -27,7 +27,7 @@ class DraftTrainOptions:
     #: decode is fast at), 64 with transformers (whose cache copies grow with the batch)
     gen_batch: int | None = None
     #: what writes generated windows: "auto" is vLLM's engine on a CPU where vLLM is installed
-    #: (2.1-2.3x transformers' decode), transformers elsewhere
+    #: (about 2.2x transformers' decode), transformers elsewhere
     generator: str = "auto"
     #: target passes and head training: "auto" is bfloat16 where the CPU computes it natively
     compute_dtype: str = "auto"
@@ -137,7 +137,7 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "vllm", "transformers"),
         default=d.generator,
         help="what continues the prompts of generated windows: vLLM's engine (auto on a CPU "
-        "where vLLM is installed; 2.1-2.3x faster there) or transformers",
+        "where vLLM is installed; about 2.2x faster there) or transformers",
     )
     p.add_argument(
         "--compute-dtype",

@@ -120,7 +120,7 @@ WindowsFactory = Callable[[str, torch.dtype, int], Any]
 
 def window_generator(name: str, device: torch.device, vllm_windows: WindowsFactory | None) -> str:
     """``auto``: vLLM where the caller has it and the target runs on the CPU (its engine decodes
-    2.1-2.3x faster than transformers there: ``engine/greedy_windows.py``), else transformers
+    about 2.2x faster than transformers there: ``engine/greedy_windows.py``), else transformers
     (the lent GPU machines have no vLLM)."""
     if name == "auto":
         name = "vllm" if vllm_windows is not None and device.type == "cpu" else "transformers"
@@ -313,7 +313,7 @@ def build_data(
                 if windows_of is not None:
                     ids = windows_of(ids, opts.seq_len)
                 # on a CPU, GB-sized logits cost more in page faults than they save in calls
-                # (256-token windows, bf16: 830 tok/s in chunks of 85 rows, 1,590 in chunks of 4)
+                # (256-token windows, bf16: 1,000 tok/s in chunks of 85 rows, 1,370 in 4s)
                 cpu = model.device.type == "cpu"
                 shard = target_pass(model, ids, layers, opts.topk, opts.data_batch if cpu else None)
                 if chat:
