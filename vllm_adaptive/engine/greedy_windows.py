@@ -36,12 +36,12 @@ class VllmWindows:
         here), which the teacher-forced pass beside it then has no room for."""
         import json
 
+        from vllm_adaptive.flops import DenseShape
+
         cfg = json.loads((Path(self.model) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        shape = DenseShape.from_hf_config(cfg.get("text_config", cfg))
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        per_token = cfg["num_hidden_layers"] * 2 * heads * head_dim * itemsize
+        per_token = shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * itemsize
         return int(1.25 * per_token * MAX_NUM_SEQS * self.max_len)
 
     def _engine(self) -> Any:
@@ -96,9 +96,3 @@ class VllmWindows:
         _, alive = psutil.wait_procs(children, timeout=30)
         for p in alive:
             p.kill()
-
-    def __enter__(self) -> VllmWindows:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
