@@ -5,7 +5,8 @@ served decode step reads 270 MB of fp16 weights (30 layers' qkv / o / gate_up / 
 head of SmolLM2-135M) once, from memory. This times a whole step's worth of linears at 1 to 8
 rows on one thread, per ``format:kernel`` (by default FBGEMM's fp16 GEMM against the plugin's
 ``native_fp16`` kernel; ``w8a16:native_int8`` / ``w8a16:onednn`` for int8 weights,
-``int4:native_int4`` for 4-bit group-32 asymmetric ones, the default model's grid;
+``int4:native_int4`` for 4-bit group-32 asymmetric ones, the default model's grid,
+``int8g:native_int8`` for the int8 gear's symmetric group-32 tier;
 ``dense:linear`` is F.linear on the weight in the activations' dtype, ``dense:onednn`` stock
 vLLM's own CPU GEMM on CPUs without AMX), the kernels
 interleaved per round, and the machine's single-thread read bandwidth for scale. Speed-ups are
@@ -55,6 +56,7 @@ def main() -> None:
     from vllm_adaptive.bench.machine import cpuinfo
     from vllm_adaptive.engine import kernel_ops
     from vllm_adaptive.kernels.matmul import bound_kernel
+    from vllm_adaptive.kernels.packed import quantize
     from vllm_adaptive.kernels.weights import quantize_weight
 
     kernel_ops.provide()  # vLLM's oneDNN int8 GEMM for w8a16:onednn
@@ -80,7 +82,10 @@ def main() -> None:
                         h = vllm_ops.create_onednn_mm(w.t(), 32)
                         calls[k].append((lambda x, h=h: vllm_ops.onednn_mm(h, x, None), shape[1]))
                 continue
-            w = quantize_weight(w32, fmt, 32, symmetric=False)  # int4: the Q4_1 grid
+            if fmt == "int8g":  # the int8 gear's tier: symmetric in groups of 32 (Q8_0)
+                w = quantize(w32, 8, 32, symmetric=True, check_double_quant=False)
+            else:
+                w = quantize_weight(w32, fmt, 32, symmetric=False)  # int4: the Q4_1 grid
             for k in kernels:
                 if k.startswith(fmt + ":"):
                     name = k.split(":")[1]
@@ -93,7 +98,7 @@ def main() -> None:
                     calls[k].append((fn, shape[1]))
     params = sum(n * k for n, k in shapes)
     # int4: codes, float32 scale and offset; dense: the activations' dtype
-    per_param = {"fp16": 2.0, "int4": 0.5 + 8 / 32, "dense": act.itemsize}
+    per_param = {"fp16": 2.0, "int4": 0.5 + 8 / 32, "int8g": 1 + 2 / 32, "dense": act.itemsize}
     mb = {k: params * per_param.get(k.split(":")[0], 1.0) / 1e6 for k in kernels}
     xs = {m: {k: torch.randn(m, k, generator=gen).to(act) for k in (576, 1536)} for m in args.rows}
 

@@ -200,11 +200,16 @@ def _native_int8():
     return ops
 
 
-@pytest.mark.parametrize("n, k, groups", [(192, 320, 1), (45, 64, 1), (1, 16, 1), (97, 1536, 12)])
+@pytest.mark.parametrize(
+    "n, k, groups",
+    [(192, 320, 1), (45, 64, 1), (1, 16, 1), (97, 1536, 12), (33, 66, 1), (40, 99, 3)],
+)
 def test_native_int8_kernel_computes_the_weight_only_product(n: int, k: int, groups: int) -> None:
     """The int8 codes times their scales (one per column, or per column and group of K) times
     float32 activations, with no rounding of the activations: output widths that are not whole
-    blocks of 32, row counts around the row groups (8 on AVX512, 2 on AVX2)."""
+    blocks of 32, row counts around the row groups (8 on AVX512, 2 on AVX2). bf16 rows give the
+    same product of their values in float32 (the vdpbf16ps loop where the CPU has AVX512-BF16
+    and K's chunks are even; else cast up: odd groups, one row)."""
     pack, lin = _native_int8()
     g = torch.Generator().manual_seed(n * k + groups)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
@@ -218,6 +223,10 @@ def test_native_int8_kernel_computes_the_weight_only_product(n: int, k: int, gro
         y = lin(x, packed, padded, n)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+        xb = x.bfloat16()
+        yb, refb = lin(xb, packed, padded, n), xb.double() @ w.t()
+        assert yb.shape == (m, n) and yb.dtype == torch.float32
+        assert ((yb.double() - refb).abs().max() / refb.abs().max()).item() < 1e-5, (m, n, k)
     assert lin(torch.empty(0, k), packed, padded, n).shape == (0, n)
     with pytest.raises(RuntimeError, match=f"x has 8 features, the weight {k}"):
         lin(torch.randn(2, 8), packed, padded, n)
