@@ -51,22 +51,26 @@ def test_every_geared_linear_takes_the_cpp_op(llm) -> None:
     assert seen["counted"] == 30 * 4 and seen["calls"] >= 30 * 4 * 8
 
 
-def test_mixed_steps_fall_back_to_the_python_op(llm) -> None:
+def test_mixed_steps_run_the_full_gear_from_cpp(llm) -> None:
     """Step routing (the fixed gear's): a step with a request at adaptivity off runs every row
-    at full precision, through the Python op; alone, each plain request runs the C++ op."""
+    at full precision, the decoder's linears on vLLM's own oneDNN GEMM called from the C++ op
+    (their full route); alone, each plain request runs the fp16 gear's C++ op."""
     n = 24
     prompts = [SPEC_PROMPTS[0], SPEC_PROMPTS[2]]
     off = [
         token_ids(llm.generate([p], greedy(n, adaptive_mode="off"), use_tqdm=False))[0]
         for p in prompts
     ]
-    assert llm.apply_model(geared_routes)[0]["uniform_routed"] == 0
+    routes = llm.apply_model(geared_routes)[0]
+    assert routes["full_routed"] == 30 * 4  # the decoder's; the head is vLLM's embedding
+    assert routes["flagged_full"] == routes["uniform_routed"] == routes["full_routed"]
     plain = token_ids(llm.generate(prompts, greedy(n), use_tqdm=False))
-    assert llm.apply_model(geared_routes)[0]["uniform_routed"] > 0
+    routes = llm.apply_model(geared_routes)[0]
+    assert routes["uniform_routed"] == routes["geared"] and routes["flagged_full"] == 0
     params = [greedy(n), greedy(n, adaptive_mode="off"), greedy(n)]
     mixed = token_ids(llm.generate([prompts[0], prompts[0], prompts[1]], params, use_tqdm=False))
     assert mixed == [off[0], off[0], off[1]]
-    assert llm.apply_model(geared_routes)[0]["uniform_routed"] == 0
+    assert llm.apply_model(geared_routes)[0]["flagged_full"] == 30 * 4
     # the gear itself: the fp16 text stays the plain requests' (C++ op) text in a batch
     again = token_ids(llm.generate(prompts, greedy(n), use_tqdm=False))
     assert again == plain

@@ -16,8 +16,11 @@ def geared_routes(model) -> dict[str, int]:
     ]
     return {
         "geared": len(methods),
-        "routed": sum(m.route is not None for m in methods),
-        "uniform_routed": sum(int(m.geared.uniform_routed[0]) for m in methods),
+        "routed": sum(m.route_op is not None for m in methods),
+        "uniform_routed": sum(int(m.geared.uniform_routed[0]) != 0 for m in methods),
+        # layers whose full gear runs vLLM's oneDNN GEMM from C++, and those flagged for it now
+        "full_routed": sum("full" in m.geared.routed for m in methods),
+        "flagged_full": sum(int(m.geared.uniform_routed[0]) == 4 for m in methods),
     }
 
 

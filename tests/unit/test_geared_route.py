@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from vllm_adaptive.kernels import native
 from vllm_adaptive.kernels.weights import kernel_name, linear
 from vllm_adaptive.models.geared_linear_method import GearedLinearMethod
-from vllm_adaptive.precision.linear import GearedLinear
+from vllm_adaptive.precision.linear import ROUTE_CODES, GearedLinear
 from vllm_adaptive.precision.tiers import LinearTiers
 
 N, K = 200, 576  # output columns that are not a whole block of 32; the model's width
@@ -47,7 +47,7 @@ def needs_native() -> None:
 def test_compiled_graph_runs_the_fp16_gear_in_cpp_and_falls_back_to_python(needs_native) -> None:
     layer, method = _geared()
     g = method.geared
-    assert method.route is not None
+    assert method.route_op is not None and g.routed == {"fp16"}
     tier = g.tiers.tiers["fp16"]
     calls = []
 
@@ -59,7 +59,7 @@ def test_compiled_graph_runs_the_fp16_gear_in_cpp_and_falls_back_to_python(needs
     torch._dynamo.reset()
     with torch.inference_mode():
         g.set_uniform("fp16")
-        assert int(g.uniform_routed[0]) == 1
+        assert int(g.uniform_routed[0]) == ROUTE_CODES["fp16"]
         g.fast = spy  # the flag stays set: the C++ op must not call it
         for m in (1, 3, 17, 40, 70):  # native and FBGEMM rows, beyond the last bucket
             x = torch.randn(m, K)
@@ -75,9 +75,9 @@ def test_compiled_graph_runs_the_fp16_gear_in_cpp_and_falls_back_to_python(needs
 
 
 def test_no_route_where_the_cpp_op_cannot_serve(needs_native) -> None:
-    """A bias (the op computes x W^T alone) keeps the Python op."""
+    """A bias (the packed tiers' ops compute x W^T alone) keeps the Python op."""
     _, method = _geared(bias=True)
-    assert method.route is None and method.route_op is None
+    assert method.route_op is None and method.geared.routed == set()
 
 
 def test_cpp_op_follows_its_row_table_to_either_kernel(needs_native) -> None:
@@ -98,7 +98,7 @@ def test_cpp_op_follows_its_row_table_to_either_kernel(needs_native) -> None:
     with torch.inference_mode():
         for m in (1, 2, 3, 9):
             x = torch.randn(m, K)
-            y = method.route_op(
+            y = native.geared_fp16_linear_op()(
                 x,
                 tier.prepared["native_fp16"],
                 tier.prepared["fbgemm_fp16"],
@@ -128,7 +128,7 @@ def _assert_cpp_route(method, precision: str, dtype, rows) -> None:
     torch._dynamo.reset()
     with torch.inference_mode():
         g.set_uniform(precision)
-        assert int(g.uniform_routed[0]) == 1
+        assert int(g.uniform_routed[0]) == ROUTE_CODES[precision]
         g.fast = spy
         for m in rows:
             x = torch.randn(m, K).to(dtype)
@@ -160,7 +160,7 @@ def test_compiled_graph_runs_the_int4_gear_in_cpp(dtype) -> None:
     g.autotune(8)  # below FULL_MIN_ROWS: every row count on the 4-bit kernels
     assert g.full_from == {}
     method = GearedLinearMethod(g)
-    assert method.use_route() and g.routed == "int4"
+    assert method.use_route() and g.routed == {"int4"}
     tier = g.tiers.tiers["int4"]
     paths = {kernel_name(tier, m, dtype) for m in (1, 2, 9, 40, 300)}
     assert paths <= {mm.NATIVE_INT4, mm.INT4PACK}, paths
@@ -188,10 +188,86 @@ def test_compiled_graph_runs_the_int8_gear_in_cpp(dtype) -> None:
     g = GearedLinear(layer, "toy.proj", level_map, tiers, _FloatMethod(), controller=None)
     g.autotune(8)
     method = GearedLinearMethod(g)
-    assert method.use_route() and g.routed == "int8"
+    assert method.use_route() and g.routed == {"int8"}
     tier = g.tiers.tiers["int8"]
     assert {kernel_name(tier, m, dtype) for m in (1, 9, 300)} == {mm.NATIVE_INT8}
     _assert_cpp_route(method, "int8", dtype, (1, 3, 17, 300))
+
+
+def test_every_gear_of_a_gearbx_layer_stays_in_cpp() -> None:
+    """A layer whose gears change from step to step (GEARBX's int4 / int8 / int8 on a bf16
+    engine) registers both tiers: under torch.compile a step at either gear gives exactly its
+    kernel's output with no Python call, a step that switches back is served again, and a
+    mixed step (flag clear) goes to Python."""
+    if native.geared_routes() is None:
+        pytest.skip(f"no native kernels here: {native.why_unavailable()}")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(K, 192, bias=False).requires_grad_(False).to(torch.bfloat16)
+    level_map = ("int4", "int8", "int8", "full")
+    tiers = LinearTiers.build(
+        layer.weight, set(level_map), "independent", 32, False, int8_group_size=32
+    )
+    tiers.prepare(torch.bfloat16)
+    g = GearedLinear(layer, "toy.proj", level_map, tiers, _FloatMethod(), controller=None)
+    g.autotune(8)
+    method = GearedLinearMethod(g)
+    assert method.use_route() and g.routed == {"int4", "int8"}  # full: not vLLM's oneDNN here
+    calls = []
+    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        for precision in ("int4", "int8", "int4"):
+            tier = g.tiers.tiers[precision]
+            g.set_uniform(precision)
+            assert int(g.uniform_routed[0]) == ROUTE_CODES[precision]
+            g.fast = lambda x: calls.append(x.shape[0])  # noqa: B023 - counts Python calls
+            for m in (1, 5, 9):
+                x = torch.randn(m, K).to(torch.bfloat16)
+                assert torch.equal(compiled(x), linear(tier, x)), (precision, m)
+        assert calls == []
+        g.set_uniform(None)  # rows at different gears: the Python op groups them
+        assert int(g.uniform_routed[0]) == 0
+
+
+def test_full_gear_runs_vllms_onednn_gemm_from_cpp() -> None:
+    """The full gear of a layer whose own method is vLLM's CPU linear (oneDNN): registered with
+    its handle, a full step gives exactly what vLLM's method gives, without a Python call; so do
+    the prompt rows an int4 tier hands to the layer's weight."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    if native.geared_routes() is None:
+        pytest.skip(f"no native kernels here: {native.why_unavailable()}")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(K, 960, bias=False).requires_grad_(False).to(torch.bfloat16)
+    base = UnquantizedLinearMethod()
+    level_map = ("int4", "int4", "int4", "full")
+    tiers = LinearTiers.build(layer.weight, set(level_map), "independent", 32, False)
+    tiers.prepare(torch.bfloat16)
+    g = GearedLinear(layer, "toy.proj", level_map, tiers, base, controller=None)
+    g.autotune(8)
+    method = GearedLinearMethod(g)
+    base.process_weights_after_loading(layer)  # vLLM's CPU dispatch: the oneDNN handle
+    if g._onednn_handle() is None:
+        pytest.skip("vLLM's CPU linear does not run oneDNN for this shape here")
+    g.full_from["int4"] = 16
+    assert method.use_route() and g.routed == {"int4", "full"}
+    calls = []
+    compiled = torch.compile(lambda x: method.apply(layer, x), dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        xs = [torch.randn(m, K).to(torch.bfloat16) for m in (1, 7, 40)]
+        want = [base.apply(layer, x) for x in xs]
+        g.set_uniform("full")
+        assert int(g.uniform_routed[0]) == ROUTE_CODES["full"]
+        g.fast = lambda x: calls.append(x.shape[0])
+        for x, y in zip(xs, want, strict=True):
+            assert torch.equal(compiled(x), y), x.shape[0]
+        g.set_uniform("int4")
+        g.fast = lambda x: calls.append(x.shape[0])
+        assert torch.equal(compiled(xs[2]), want[2])  # 40 rows >= full_from: the own weight
+        assert not torch.equal(compiled(xs[0]), want[0])  # 1 row: the 4-bit tier
+        assert calls == []
 
 
 def _int4_layer(base, on_grid: bool = True) -> GearedLinear:

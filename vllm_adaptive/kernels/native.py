@@ -57,6 +57,7 @@ SOURCES = (
     "fp16_linear.cpp",
     "int8_linear.cpp",
     "int4_linear.cpp",
+    "geared_routes.cpp",
 )
 HEADERS = ("masked_common.h", "blocked_weight.h")
 
@@ -208,6 +209,20 @@ def _geared_int8_fake(x, packed, scales, native_rows, uniform, index, n):
     return x.new_empty(x.shape[0], n)
 
 
+def geared_routes() -> object | None:
+    """The op namespace with the geared-route registry (csrc/geared_routes.cpp: a layer's tiers
+    registered once, ``geared_linear_routed`` running the one its flag names, with its fake
+    kernel registered), where the native kernels run here; else None."""
+    if int8_linear_ops() is None:
+        return None
+    _with_fake("geared_linear_routed", _geared_routed_fake)
+    return getattr(torch.ops, NAMESPACE)
+
+
+def _geared_routed_fake(x, uniform, index, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
 def _with_fake(name: str, fake: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The op ``name`` of the namespace, its fake kernel (what torch.compile traces) registered
     once per process."""
@@ -245,6 +260,7 @@ __all__ = [
     "geared_fp16_linear_op",
     "geared_int4_linear_op",
     "geared_int8_linear_op",
+    "geared_routes",
     "int4_linear_ops",
     "int8_linear_ops",
     "is_cached",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllm_adaptive.engine.vllm_api import LinearMethodBase
+from vllm_adaptive.kernels import native
 from vllm_adaptive.precision.linear import GearedLinear
 
 
@@ -15,17 +16,16 @@ class GearedLinearMethod(LinearMethodBase):
 
     def __init__(self, geared: GearedLinear) -> None:
         self.geared = geared
-        # what a compiled graph passes to the fp16 or int4 gear's C++ op
-        # (``GearedLinear.route``), set by ``use_route`` once dispatch is measured; None: the
-        # Python op only
-        self.route: tuple | None = None
+        # the C++ op a compiled graph calls (``geared_linear_routed``), set by ``use_route`` once
+        # dispatch is measured and the layer's tiers are registered; None: the Python op only
         self.route_op = None
 
     def use_route(self) -> bool:
-        """Let compiled graphs call the routed tier's C++ op where one runs (after autotune)."""
-        got = self.geared.route()
-        self.route_op, self.route = got if got is not None else (None, None)
-        return self.route is not None
+        """Let compiled graphs call the C++ route op where the layer registered a precision
+        with it (after autotune)."""
+        ops = native.geared_routes() if self.geared.route() else None
+        self.route_op = None if ops is None else ops.geared_linear_routed
+        return self.route_op is not None
 
     def create_weights(self, *args, **kwargs):  # pragma: no cover - installed after loading
         raise RuntimeError("GearedLinearMethod is installed after weights are created")
@@ -33,10 +33,10 @@ class GearedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.geared.keep_full:
             self.geared.base_method.process_weights_after_loading(layer)
-            # the float weight's GEMM is bound now: time it against the packed tiers
+            # the float weight's GEMM is bound now: time it against the packed tiers, and
+            # register its handle and the rows it takes with the C++ route
             self.geared.measure_full_from()
-            if self.geared.full_from and self.route is not None:
-                self.use_route()
+            self.use_route()
         else:
             # No gear of this layer runs the float weight: free it.
             layer.weight = torch.nn.Parameter(
@@ -52,8 +52,8 @@ class GearedLinearMethod(LinearMethodBase):
             return g.fast(x) if g.fast is not None else g.forward(x)
         lead = x.shape[:-1]
         g, x2 = self.geared, x.reshape(-1, x.shape[-1])
-        if self.route is not None:  # the routed tier from C++ while every row runs it
-            out = self.route_op(x2, *self.route, g.uniform_routed, g.index, g.tiers.shape[0])
+        if self.route_op is not None:  # C++ while every row runs a registered precision
+            out = self.route_op(x2, g.uniform_routed, g.index, g.tiers.shape[0])
         else:
             out = torch.ops.vllm_adaptive.geared_linear(x2, g.index, g.tiers.shape[0])
         return out.reshape(*lead, out.shape[-1])

@@ -14,17 +14,21 @@ scattered back in token order; rows at W8A8 and W8A16 on shared int8 codes run a
 GEMM (:func:`~vllm_adaptive.kernels.float_linear.nested_w8a8_w8a16`). The LM head is geared the
 same way (its tiers are copies: the embedding it may be tied to keeps its float weight).
 
-While every row of a step runs the fp16, the int4 or the int8 tier, a compiled graph skips the
-Python op: it calls ``vllm_adaptive_native::geared_fp16_linear``, ``geared_int4_linear`` or
-``geared_int8_linear`` (``kernels/csrc/{fp16,int4,int8}_linear.cpp``), which reads the layer's
-``uniform_routed`` flag and runs the measured kernel for the row count in C++; with the flag
-clear it calls the Python op above (``GearedLinear.route`` says what it needs). The Python op
-costs 10-25 us a call (121 calls a step on the default model).
+While every row of a step runs one precision, a compiled graph skips the Python op: it calls
+``vllm_adaptive_native::geared_linear_routed`` (``kernels/csrc/geared_routes.cpp``), which
+reads the layer's ``uniform_routed`` flag (the route code of the step's precision) and runs that
+tier's C++ op (``geared_fp16_linear``, ``geared_int4_linear``, ``geared_int8_linear``: the
+measured kernel for the row count) or, for the full gear, vLLM's own oneDNN GEMM of the layer;
+with the flag clear it calls the Python op above. Each layer registers the tiers it can run in
+C++ once (``GearedLinear.route``), so a policy whose gears change from step to step (GEARBX)
+stays in C++ at every gear. The Python op costs 10-30 us a call (121 calls a step on the default
+model).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import weakref
 from collections.abc import Callable
@@ -62,6 +66,9 @@ STREAMED_BYTES = 16 << 20
 #: rows shared its step.
 FULL_SAME_WEIGHT_TOL = 0.01
 _NEXT_INDEX = itertools.count()
+#: ``uniform_routed``'s value while every row runs a precision the layer registered in C++
+#: (csrc/geared_routes.cpp's codes); 0: the Python op
+ROUTE_CODES = {"fp16": 1, "int4": 2, "int8": 3, "full": 4}
 _LIB = torch.library.Library("vllm_adaptive", "FRAGMENT")  # noqa: TID251 - our own namespace
 
 
@@ -94,9 +101,10 @@ class GearedLinear:
         # ``x -> y`` at the one precision every row of this step runs (set by the controller
         # each time that changes); None: rows may differ, ``forward`` groups them
         self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # 1 while ``fast`` is the routed tier: what the compiled graph's C++ op reads (``route``)
+        # the route code of ``fast``'s precision while C++ serves it: what the compiled graph's
+        # op reads (``route``); 0: the Python op
         self.uniform_routed = torch.zeros(1, dtype=torch.uint8)
-        self.routed: str | None = None  # the precision the C++ op serves (``route``)
+        self.routed: frozenset[str] = frozenset()  # precisions registered in C++ (``route``)
         self.uniform: str | None = None  # the precision every row of the coming steps runs
         self.index = next(_NEXT_INDEX)
         _LINEARS[self.index] = self
@@ -114,26 +122,57 @@ class GearedLinear:
         self._flag_routed()
 
     def _flag_routed(self) -> None:
-        routed = self.routed is not None and self.uniform == self.routed and self.fast is not None
-        self.uniform_routed[0] = int(routed)
+        routed = self.uniform in self.routed and self.fast is not None
+        self.uniform_routed[0] = ROUTE_CODES[self.uniform] if routed else 0
 
-    def route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
-        """The C++ op that runs this layer's fp16, int4 or int8 tier without a Python frame while
-        every row runs it, and the arguments it needs before the flag (``uniform_routed``):
-        the tier's kernel layouts and, per row count, whether the native kernel runs (the
-        measured dispatch table, flattened). None where no op can serve: no such tier, a
-        bias, tiers that come and go, no native kernel here, or a dispatch that picks a path
-        the op does not run."""
-        self.routed = None
-        got = None
-        if self.layer.bias is None and not (
-            self.controller is not None and self.controller.config.offload_inactive
-        ):
-            got = self._fp16_route() or self._int4_route() or self._int8_route()
+    def route(self) -> bool:
+        """Register with the C++ op ``geared_linear_routed`` every precision of this layer it
+        can run without a Python frame (the fp16, int4 and int8 tiers' kernel layouts and, per
+        row count, the measured dispatch table, flattened; the full gear's oneDNN handle where
+        vLLM's CPU linear holds one), replacing an earlier registration; False where none can
+        be: no native kernels here, tiers that come and go, a bias on a packed tier, or a
+        dispatch that picks a path the ops do not run."""
+        ops = native.geared_routes()
+        routed: set[str] = set()
+        if ops is not None:
+            ops.geared_route_clear(self.index)
+            if not getattr(self, "_routes_finalizer", None):
+                self._routes_finalizer = weakref.finalize(self, ops.geared_route_clear, self.index)
+            offload = self.controller is not None and self.controller.config.offload_inactive
+            precisions = set(self.level_precisions)
+            for precision, args in (
+                ("fp16", self._fp16_route),
+                ("int4", self._int4_route),
+                ("int8", self._int8_route),
+            ):
+                if offload or self.layer.bias is not None or precision not in precisions:
+                    continue
+                got = args()
+                if got is not None:
+                    getattr(ops, f"geared_route_{precision}")(self.index, *got)
+                    routed.add(precision)
+            handle = None if offload or "full" not in precisions else self._onednn_handle()
+            if handle is not None:
+                ops.geared_route_full(self.index, handle, self.layer.bias)
+                routed.add("full")
+        self.routed = frozenset(routed)
         self._flag_routed()
-        return got
+        return bool(routed)
 
-    def _int4_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+    def _onednn_handle(self) -> torch.Tensor | None:
+        """vLLM's oneDNN GEMM handle of this layer's own weight, which its CPU linear (set by
+        the unquantized method on CPUs) closes over; None where the full gear runs otherwise."""
+        if type(self.base_method).__name__ != "UnquantizedLinearMethod":
+            return None
+        fn = getattr(self.layer, "cpu_linear", None)
+        code = getattr(fn, "__code__", None)
+        if code is None or "onednn_mm" not in code.co_names:
+            return None
+        handler = inspect.getclosurevars(fn).nonlocals.get("handler")
+        handle = getattr(handler, "handler_tensor", None)
+        return handle if isinstance(handle, torch.Tensor) else None
+
+    def _int4_route(self) -> tuple | None:
         from vllm_adaptive.kernels import matmul as mm
 
         tier = self.tiers.tiers.get("int4")
@@ -153,8 +192,7 @@ class GearedLinear:
             int4pack, sz, group = mm.prepared_int4pack(tier, dtype)
         codes = {mm.INT4PACK: 0, mm.NATIVE_INT4: 1, "full": 2}
         native_rows = torch.tensor([codes[n] for n in names], dtype=torch.uint8)
-        self.routed = "int4"
-        return op, (w4, scales, offsets, int4pack, sz, group, native_rows)
+        return w4, scales, offsets, int4pack, sz, group, native_rows
 
     def _row_paths(self, precision: str, tier, dtype: torch.dtype) -> list[str] | None:
         """The path a packed tier's rows take, by row count (index; the last entry serves every
@@ -169,7 +207,7 @@ class GearedLinear:
         tail = "full" if full_from <= last else kernel_name(tier, 1 << 20, dtype)
         return names if tail == names[-1] else None
 
-    def _int8_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+    def _int8_route(self) -> tuple | None:
         from vllm_adaptive.kernels import matmul as mm
 
         tier = self.tiers.tiers.get("int8")
@@ -185,10 +223,9 @@ class GearedLinear:
         w8, scales = mm.prepared_native_int8(tier)
         codes = {mm.NATIVE_INT8: 1, "full": 2}
         native_rows = torch.tensor([codes[n] for n in names], dtype=torch.uint8)
-        self.routed = "int8"
-        return op, (w8, scales, native_rows)
+        return w8, scales, native_rows
 
-    def _fp16_route(self) -> tuple[Callable[..., torch.Tensor], tuple] | None:
+    def _fp16_route(self) -> tuple | None:
         tier = self.tiers.tiers.get("fp16")
         op = native.geared_fp16_linear_op()
         if not isinstance(tier, Fp16Weight) or op is None:
@@ -204,8 +241,7 @@ class GearedLinear:
         if "fbgemm_fp16" in names and not isinstance(fbgemm, torch.Tensor):
             return None  # TorchScript-packed FBGEMM (older torch): the Python op calls it
         native_rows = torch.tensor([n == "native_fp16" for n in names], dtype=torch.uint8)
-        self.routed = "fp16"
-        return op, (tier.prepared["native_fp16"], fbgemm, native_rows)
+        return tier.prepared["native_fp16"], fbgemm, native_rows
 
     def call_for(self, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The whole layer at ``precision`` as one callable: the hot path of a step whose rows
