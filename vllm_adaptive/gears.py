@@ -56,6 +56,15 @@ GEARBX_GEARS_F32_NO_INT8_DOT: tuple[str, str, str] = ("fp16", "fp16", "fp16")
 #: 1 token and 1.5-1.8x more at 8-32, and the weight-only int8 / int4 kernels were slower than
 #: bf16 from 8 tokens on (``vllm-adaptive kernels measure --dtype bfloat16``, docs/results.md).
 GEARBX_GEARS_AMX: tuple[str, str, str] = ("w8a8", "full", "full")
+#: bf16 / fp16 activations on a CPU with AVX512-BF16 (no AMX) where the plugin's C++ kernels
+#: run: the high gear is int8 in groups of 32 (GGUF's Q8_0), not the bf16 weight, as fp16 is on
+#: float32 engines: the native int8 kernel reads half of bf16's bytes, on the bf16 dot product
+#: from 2 rows. On an AVX512-BF16 EPYC (2026-12-02, in-process against stock bf16, every gear
+#: routed in C++) GEARBX with it read 1.37x / 1.17x at batch 1 / 8 against 1.17x / 0.93x with
+#: the full high gear (the fixed int8 gear 1.31x / 1.07x), perplexity +0.00%, teacher-forced
+#: agreement 1.000; free-running greedy text 0.70 of stock bf16's, as the fixed int8 gear's
+#: (bf16 sums in another order round differently), against 1.00 with the full high gear.
+GEARBX_GEARS_BF16_DOT: tuple[str, str, str] = ("int4", "int8", "int8")
 QUICKSILVER_GEARS: tuple[str, str, str] = ("int2", "int4", "int8")
 
 

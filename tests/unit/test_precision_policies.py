@@ -280,11 +280,22 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
     cfg = parse_adaptive_config({"precision": {"policy": "gearbx"}}).precision
     assert cfg.for_dtype("float32").level_gears == ("w8a8", "fp16", "fp16")
     assert cfg.for_dtype("bfloat16").level_gears == ("int4", "int8", "full")
+    # CPUs whose plugin kernels run bf16 rows on AVX512-BF16's dot product: int8 is the high
+    # gear (half of bf16's bytes); AMX keeps its W8A8 default; explicit gears stay
+    assert cfg.for_dtype("bfloat16", native_bf16_dot=True).level_gears == ("int4", "int8", "int8")
+    assert cfg.for_dtype("float32", native_bf16_dot=True).level_gears == ("w8a8", "fp16", "fp16")
+    amx = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=True)
+    assert amx.level_gears == ("w8a8", "full", "full")
     assert cfg.for_dtype("float32").head_map == ("fp16", "fp16", "fp16")
     explicit = parse_adaptive_config(
         {"precision": {"policy": "gearbx", "gears": ["int4", "int8", "full"]}}
     ).precision
     assert explicit.for_dtype("float32").level_gears == ("int4", "int8", "full")
+    assert explicit.for_dtype("bfloat16", native_bf16_dot=True).level_gears == (
+        "int4",
+        "int8",
+        "full",
+    )
     # no int8 dot product (AVX2 only): W8A8 measured slower than fp16 there, so fp16 everywhere
     assert cfg.for_dtype("float32", int8_dot=False).level_gears == ("fp16", "fp16", "fp16")
     assert cfg.for_dtype("bfloat16", int8_dot=False).level_gears == ("int4", "int8", "full")

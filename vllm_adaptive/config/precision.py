@@ -15,6 +15,7 @@ from vllm_adaptive.config.base import (
 from vllm_adaptive.gears import (
     GEARBX_GEARS,
     GEARBX_GEARS_AMX,
+    GEARBX_GEARS_BF16_DOT,
     GEARBX_GEARS_F32,
     GEARBX_GEARS_F32_NO_INT8_DOT,
     QUICKSILVER_GEARS,
@@ -107,8 +108,9 @@ class PrecisionConfig(_Strict):
     """policy "fixed": the precision every managed linear runs."""
     gears: GearMap | None = Field(None, strict=False)
     """(low, mid, high) precisions; default for gearbx (int4, int8, full) with bf16 / fp16
-    activations and (w8a8, fp16, fp16) with float32 ones (the fast kernels for each), and
-    (int2, int4, int8) for quicksilver."""
+    activations ((int4, int8, int8) on CPUs whose plugin kernels run the bf16 dot product,
+    (w8a8, full, full) on AMX) and (w8a8, fp16, fp16) with float32 ones (the fast kernels for
+    each), and (int2, int4, int8) for quicksilver."""
     routing: Literal["step", "token"] | None = None
     """"step": one gear per step for the whole batch (the most demanding request decides);
     "token": each token runs its request's gear, tokens grouped by gear. Default: step for
@@ -205,13 +207,19 @@ class PrecisionConfig(_Strict):
         return self
 
     def for_dtype(
-        self, dtype_name: str, amx_int8: bool = False, int8_dot: bool = True
+        self,
+        dtype_name: str,
+        amx_int8: bool = False,
+        int8_dot: bool = True,
+        native_bf16_dot: bool = False,
     ) -> PrecisionConfig:
         """This config with the dtype- and machine-dependent defaults filled in (``dtype_name``:
         the model's activation dtype, e.g. "float32"; ``amx_int8``: the CPU runs vLLM's AMX
         int8 GEMM, :func:`vllm_adaptive.kernels.float_linear.amx_int8_available`; ``int8_dot``:
         the CPU has an int8 dot product, :func:`~vllm_adaptive.kernels.float_linear.
-        cpu_has_int8_dot`); errors name the key."""
+        cpu_has_int8_dot`; ``native_bf16_dot``: the engine runs on a CPU whose plugin kernels
+        take bf16 rows on AVX512-BF16's dot product, :func:`~vllm_adaptive.kernels.native.
+        bf16_dot_available`); errors name the key."""
         update: dict[str, Any] = {}
         half = dtype_name != "float32"
         if self.gears is None and self.policy == "gearbx":
@@ -219,6 +227,8 @@ class PrecisionConfig(_Strict):
                 update["gears"] = GEARBX_GEARS_F32 if int8_dot else GEARBX_GEARS_F32_NO_INT8_DOT
             elif amx_int8:
                 update["gears"] = GEARBX_GEARS_AMX
+            elif native_bf16_dot:
+                update["gears"] = GEARBX_GEARS_BF16_DOT
         if half and self.head_gears is None and "lm_head" in self.modules:
             if self.modules == ("lm_head",):
                 raise ValueError(

@@ -174,6 +174,12 @@ def int4_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]
     return ops.int4_pack, ops.int4_linear
 
 
+def bf16_dot_available() -> bool:
+    """The native int8 / int4 kernels take bf16 rows on AVX512-BF16's dot product here (the
+    CPU has it and the kernels are built)."""
+    return "avx512_bf16" in cpu_flags() and int8_linear_ops() is not None
+
+
 def geared_fp16_linear_op() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.vllm_adaptive_native.geared_fp16_linear`` (the fp16 gear's linear as a
     compiled graph calls it: csrc/fp16_linear.cpp) with its fake kernel registered, where the
@@ -254,6 +260,7 @@ def why_unavailable() -> str | None:
 
 __all__ = [
     "NATIVE_KERNELS",
+    "bf16_dot_available",
     "build_report",
     "ensure_built",
     "fp16_linear_ops",

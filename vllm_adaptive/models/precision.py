@@ -45,10 +45,17 @@ def install_precision(
     largest token count worth measuring)."""
     parts = model.adaptive_parts()
     dtype_name = str(parts.head.weight.dtype).removeprefix("torch.")
+    from vllm_adaptive.kernels import native
     from vllm_adaptive.kernels.float_linear import amx_int8_available, cpu_has_int8_dot
 
+    on_cpu = parts.head.weight.device.type == "cpu"
     try:
-        cfg = cfg.for_dtype(dtype_name, amx_int8=amx_int8_available(), int8_dot=cpu_has_int8_dot())
+        cfg = cfg.for_dtype(
+            dtype_name,
+            amx_int8=amx_int8_available(),
+            int8_dot=cpu_has_int8_dot(),
+            native_bf16_dot=on_cpu and native.bf16_dot_available(),
+        )
     except ValueError as e:
         raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
     num_layers = parts.num_layers
