@@ -38,6 +38,8 @@ def _default_high_gear() -> str:
         native_bf16_dot=native.bf16_dot_available(),
     )
     return cfg.level_gears[2]
+
+
 # The config goes in serve.sh's old variable name: the deprecated path must keep working
 # without vLLM warning about an unknown VLLM_* variable.
 CONFIG_ENV = "VLLM_ADAPTIVE_CONFIG"
