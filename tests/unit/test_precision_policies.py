@@ -57,6 +57,36 @@ def test_entropy_bits_is_the_textbook_formula_without_touching_its_input() -> No
     assert entropy_bits(torch.zeros(0, 10)).shape == (0,)
 
 
+def test_native_entropy_equals_the_torch_path() -> None:
+    """The C++ entropy (one pass for the maximum, one for the sums, nothing written) gives the
+    torch path's values on the engine's shapes and dtypes, vocabularies that are not a multiple
+    of its 16 lanes, and GEARBX's NaN / inf guard; it is used only once the kernels are loaded."""
+    from vllm_adaptive.kernels import native
+    from vllm_adaptive.precision.entropy import torch_entropy_bits
+
+    if not native.ensure_built():
+        pytest.skip(f"no native kernels here: {native.why_unavailable()}")
+    op = native.loaded_entropy_op()
+    assert op is not None
+    g = torch.Generator().manual_seed(1)
+    for rows, vocab, dtype in (
+        (8, 49152, torch.float32),
+        (3, 49157, torch.bfloat16),
+        (2, 5, torch.float32),
+    ):
+        logits = (torch.randn(rows, vocab, generator=g) * 5).to(dtype)
+        logits[0, 1] = float("nan")
+        logits[1, -1] = float("inf")
+        logits[-1, :2] = float("-inf")
+        got, want = op(logits), torch_entropy_bits(logits)
+        assert got.shape == (rows,) and got.dtype == torch.float32
+        assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+        assert torch.equal(entropy_bits(logits), got)  # the engine's call takes the kernel
+    assert op(torch.zeros(0, 7)).shape == (0,)
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        op(torch.zeros(7))
+
+
 def _run(monitor: GearbxMonitor, seq: list[float], level: int) -> tuple[list[int], int]:
     state = monitor.start(None)
     state.level = level

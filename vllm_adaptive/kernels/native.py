@@ -58,8 +58,9 @@ SOURCES = (
     "int8_linear.cpp",
     "int4_linear.cpp",
     "geared_routes.cpp",
+    "entropy.cpp",
 )
-HEADERS = ("masked_common.h", "blocked_weight.h")
+HEADERS = ("masked_common.h", "blocked_weight.h", "vec_exp.h")
 
 
 def build_digest(files: list[Path]) -> str:
@@ -174,6 +175,20 @@ def int4_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]
     return ops.int4_pack, ops.int4_linear
 
 
+def loaded_entropy_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``torch.ops.vllm_adaptive_native.entropy_bits`` (csrc/entropy.cpp: a step's logits ->
+    entropy in bits per row, without intermediates) where this process has already loaded the
+    native kernels; never builds them (a caller on a request's path must not wait on a
+    compile): None otherwise."""
+    if not _state.get("ok"):
+        return None
+    return _with_fake("entropy_bits", _entropy_fake)
+
+
+def _entropy_fake(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
 def bf16_dot_available() -> bool:
     """The native int8 / int4 kernels take bf16 rows on AVX512-BF16's dot product here (the
     CPU has it and the kernels are built)."""
@@ -268,6 +283,7 @@ __all__ = [
     "geared_int4_linear_op",
     "geared_int8_linear_op",
     "geared_routes",
+    "loaded_entropy_op",
     "int4_linear_ops",
     "int8_linear_ops",
     "is_cached",
