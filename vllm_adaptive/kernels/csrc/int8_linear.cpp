@@ -45,6 +45,37 @@ constexpr bool kSupported = false;
 
 // y[r, 0:cols] = sum_k x[r, k] * codes[k, :] * scales[k / group, :] for one block
 #if defined(__AVX512F__)
+// A chunk's sums into the block's output: times the group's scales (sg), or as they are with
+// one scale per column (applied by store_block).
+template <int R, bool Grouped>
+inline void add_chunk(const __m512 (&acc)[R][2], float (&out)[R][kCols], const float* sg) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 o0 = _mm512_load_ps(out[r]), o1 = _mm512_load_ps(out[r] + 16);
+    if constexpr (Grouped) {
+      _mm512_store_ps(out[r], _mm512_fmadd_ps(acc[r][0], _mm512_loadu_ps(sg), o0));
+      _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(acc[r][1], _mm512_loadu_ps(sg + 16), o1));
+    } else {
+      _mm512_store_ps(out[r], _mm512_add_ps(acc[r][0], o0));
+      _mm512_store_ps(out[r] + 16, _mm512_add_ps(acc[r][1], o1));
+    }
+  }
+}
+
+// The block's first `cols` columns of each row to y, times the per-column scales (s) where
+// there is one scale per column.
+template <int R, bool Grouped>
+inline void store_block(const float (&out)[R][kCols], const float* s, float* y, int64_t ldy,
+                        int64_t cols) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 s0 = Grouped ? one : _mm512_loadu_ps(s), s1 = Grouped ? one : _mm512_loadu_ps(s + 16);
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_load_ps(out[r]), s0));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_load_ps(out[r] + 16), s1));
+  }
+}
+
 inline __m512 codes16(const int8_t* w) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
@@ -72,28 +103,9 @@ void block(const float* x, int64_t ldx, int64_t K, int64_t group, const int8_t* 
         acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
       }
     }
-    if constexpr (Grouped) {
-      const __m512 s0 = _mm512_loadu_ps(s + (k0 / group) * lds);
-      const __m512 s1 = _mm512_loadu_ps(s + (k0 / group) * lds + 16);
-      for (int r = 0; r < R; ++r) {
-        _mm512_store_ps(out[r], _mm512_fmadd_ps(acc[r][0], s0, _mm512_load_ps(out[r])));
-        _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(acc[r][1], s1, _mm512_load_ps(out[r] + 16)));
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        _mm512_store_ps(out[r], _mm512_add_ps(acc[r][0], _mm512_load_ps(out[r])));
-        _mm512_store_ps(out[r] + 16, _mm512_add_ps(acc[r][1], _mm512_load_ps(out[r] + 16)));
-      }
-    }
+    add_chunk<R, Grouped>(acc, out, s + (k0 / group) * lds);
   }
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 s0 = Grouped ? one : _mm512_loadu_ps(s), s1 = Grouped ? one : _mm512_loadu_ps(s + 16);
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_load_ps(out[r]), s0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_load_ps(out[r] + 16), s1));
-  }
+  store_block<R, Grouped>(out, s, y, ldy, cols);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 template <int R, bool Grouped>
@@ -170,28 +182,9 @@ void block_bf16(const uint16_t* x, int64_t ldx, int64_t K, int64_t group, const 
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
       }
     }
-    if constexpr (Grouped) {
-      const __m512 s0 = _mm512_loadu_ps(s + (k0 / group) * lds);
-      const __m512 s1 = _mm512_loadu_ps(s + (k0 / group) * lds + 16);
-      for (int r = 0; r < R; ++r) {
-        _mm512_store_ps(out[r], _mm512_fmadd_ps(acc[r][0], s0, _mm512_load_ps(out[r])));
-        _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(acc[r][1], s1, _mm512_load_ps(out[r] + 16)));
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        _mm512_store_ps(out[r], _mm512_add_ps(acc[r][0], _mm512_load_ps(out[r])));
-        _mm512_store_ps(out[r] + 16, _mm512_add_ps(acc[r][1], _mm512_load_ps(out[r] + 16)));
-      }
-    }
+    add_chunk<R, Grouped>(acc, out, s + (k0 / group) * lds);
   }
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 s0 = Grouped ? one : _mm512_loadu_ps(s), s1 = Grouped ? one : _mm512_loadu_ps(s + 16);
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_load_ps(out[r]), s0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_load_ps(out[r] + 16), s1));
-  }
+  store_block<R, Grouped>(out, s, y, ldy, cols);
 }
 
 template <int R>
