@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <sys/mman.h>
 
@@ -33,6 +34,20 @@ inline at::Tensor on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype, con
 inline void check_out_features(const char* who, int64_t out_features, int64_t blocks) {
   TORCH_CHECK(out_features > (blocks - 1) * kCols && out_features <= blocks * kCols, who,
               ": out_features ", out_features, " does not match ", blocks, " blocks of ", kCols);
+}
+
+// Every tile of an [M, out_features] product over blocked weights: fn(b, cols, r, rows) for
+// column block b (its `cols` valid columns) and rows r .. r + rows (at most `tile`), the blocks
+// spread over threads so that each thread streams its own part of the weight once.
+template <typename Fn>
+inline void for_each_tile(int64_t blocks, int64_t M, int64_t tile, int64_t out_features,
+                          const Fn& fn) {
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t cols = std::min(kCols, out_features - b * kCols);
+      for (int64_t r = 0; r < M; r += tile) fn(b, cols, r, std::min(tile, M - r));
+    }
+  });
 }
 
 // A geared op's row-table entry (`native_rows[min(M, len - 1)]`) for x's M rows while every row

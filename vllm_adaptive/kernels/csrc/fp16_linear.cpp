@@ -143,15 +143,10 @@ at::Tensor fp16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   float* yp = y.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
   // blocks in order (one stream of the weight); rows in groups the registers hold
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(kCols, out_features - b * kCols);
-      const uint16_t* w = wp + b * K * kCols;
-      for (int64_t r = 0; r < M; r += kRows) {
-        rows_of_block<kRows>(xp + r * K, K, K, w, yp + r * out_features + b * kCols,
-                             out_features, cols, std::min<int64_t>(kRows, M - r));
-      }
-    }
+  blocked_weight::for_each_tile(blocks, M, kRows, out_features, [&](int64_t b, int64_t cols,
+                                                                   int64_t r, int64_t rows) {
+    rows_of_block<kRows>(xp + r * K, K, K, wp + b * K * kCols, yp + r * out_features + b * kCols,
+                         out_features, cols, rows);
   });
   return y;
 }

@@ -307,16 +307,11 @@ at::Tensor int4_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
   const float* op = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(kCols, out_features - b * kCols);
-      const uint8_t* w = wp + b * K * kBytes;
-      for (int64_t r = 0; r < M; r += kRows) {
-        rows_of_block_bf16<kRows>(xp + r * K, K, xs + r * G, G, group, w, sp + b * kCols,
-                                  op + b * kCols, lds, yp + r * out_features + b * kCols,
-                                  out_features, cols, std::min<int64_t>(kRows, M - r));
-      }
-    }
+  blocked_weight::for_each_tile(blocks, M, kRows, out_features, [&](int64_t b, int64_t cols,
+                                                                   int64_t r, int64_t rows) {
+    rows_of_block_bf16<kRows>(xp + r * K, K, xs + r * G, G, group, wp + b * K * kBytes,
+                              sp + b * kCols, op + b * kCols, lds,
+                              yp + r * out_features + b * kCols, out_features, cols, rows);
   });
 #endif
   return y;
@@ -359,16 +354,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       for (int64_t k = g * group; k < (g + 1) * group; ++k) acc += xp[r * K + k];
       xsum[r * G + g] = acc;
     }
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(kCols, out_features - b * kCols);
-      const uint8_t* w = wp + b * K * kBytes;
-      for (int64_t r = 0; r < M; r += kRows) {
-        rows_of_block<kRows>(xp + r * K, K, xsum.data() + r * G, G, K, group, w, sp + b * kCols,
-                             op + b * kCols, lds, yp + r * out_features + b * kCols, out_features,
-                             cols, std::min<int64_t>(kRows, M - r));
-      }
-    }
+  blocked_weight::for_each_tile(blocks, M, kRows, out_features, [&](int64_t b, int64_t cols,
+                                                                   int64_t r, int64_t rows) {
+    rows_of_block<kRows>(xp + r * K, K, xsum.data() + r * G, G, K, group, wp + b * K * kBytes,
+                         sp + b * kCols, op + b * kCols, lds, yp + r * out_features + b * kCols,
+                         out_features, cols, rows);
   });
   return y;
 }

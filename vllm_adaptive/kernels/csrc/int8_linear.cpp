@@ -265,16 +265,10 @@ at::Tensor int8_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(kCols, out_features - b * kCols);
-      const int8_t* w = wp + b * K * kCols;
-      for (int64_t r = 0; r < M; r += kRows) {
-        rows_of_block_bf16<kRows>(xp + r * K, K, K, group, w, sp + b * kCols, lds,
-                                  yp + r * out_features + b * kCols, out_features, cols,
-                                  std::min<int64_t>(kRows, M - r));
-      }
-    }
+  blocked_weight::for_each_tile(blocks, M, kRows, out_features, [&](int64_t b, int64_t cols,
+                                                                   int64_t r, int64_t rows) {
+    rows_of_block_bf16<kRows>(xp + r * K, K, K, group, wp + b * K * kCols, sp + b * kCols, lds,
+                              yp + r * out_features + b * kCols, out_features, cols, rows);
   });
 #endif
   return y;
@@ -313,16 +307,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(kCols, out_features - b * kCols);
-      const int8_t* w = wp + b * K * kCols;
-      for (int64_t r = 0; r < M; r += kRows) {
-        rows_of_block<kRows>(xp + r * K, K, K, group, w, sp + b * kCols, lds,
-                             yp + r * out_features + b * kCols, out_features, cols,
-                             std::min<int64_t>(kRows, M - r));
-      }
-    }
+  blocked_weight::for_each_tile(blocks, M, kRows, out_features, [&](int64_t b, int64_t cols,
+                                                                   int64_t r, int64_t rows) {
+    rows_of_block<kRows>(xp + r * K, K, K, group, wp + b * K * kCols, sp + b * kCols, lds,
+                         yp + r * out_features + b * kCols, out_features, cols, rows);
   });
   return y;
 }
