@@ -147,6 +147,28 @@ def test_baseline_is_the_faster_stock_per_concurrency() -> None:
     assert summ["servers"]["p"]["8"]["x_ttft"] == pytest.approx(200 / 210)
 
 
+def test_a_run_on_another_model_compares_with_stock_on_that_model() -> None:
+    """Every server on Gemma: the baseline is plain stock Gemma (not a server with serve
+    arguments); a run mixing checkpoints keeps the default model's stock as its baseline."""
+    g = "gemma3-270m"
+    servers = [
+        {"label": "stock", "stock": True, "model": g, "runs": {"1": [_run(40, 25, 90)]}},
+        {
+            "label": "stock one group",
+            "stock": True,
+            "model": g,
+            "serve_args": ["--disable-hybrid-kv-cache-manager"],
+            "runs": {"1": [_run(50, 20, 90)]},
+        },
+        {"label": "p", "stock": False, "model": g, "runs": {"1": [_run(30, 33, 95)]}},
+    ]
+    summ = online_report.summarize(servers, [1])
+    assert summ["baseline"] == {"1": "stock"}
+    assert summ["servers"]["p"]["1"]["x_output_throughput"] == pytest.approx(30 / 40)
+    mixed = [*servers, {"label": "smol", "stock": True, "runs": {"1": [_run(60, 16, 80)]}}]
+    assert online_report.summarize(mixed, [1])["baseline"] == {"1": "smol"}
+
+
 def test_a_level_whose_requests_failed_gets_no_ratio_and_says_so() -> None:
     """A server whose engine died mid-run: its level keeps its figures (zeros), no ratio
     against the baseline, and the table names the failures instead of dividing by zero."""

@@ -45,6 +45,7 @@ from vllm_adaptive.bench.servers import (
     hybrid_tally,
     mechanism_use,
     parse_server_spec,
+    reference_model,
     serve_command,
     serve_env,
     server_counters,
@@ -170,8 +171,9 @@ def run(
                     flush=True,
                 )
         rec["starts"][-1].update(hybrid_tally(log))  # the server has stopped: its whole log
-    plain = {  # the references: stock on the default checkpoint, as vLLM serves it
-        s.label for s in servers if s.stock and not s.serve_args and s.model == SERVED_NAME
+    ref_model = reference_model([s.model for s in servers])
+    plain = {  # the references: stock on the run's checkpoint, as vLLM serves it
+        s.label for s in servers if s.stock and not s.serve_args and s.model == ref_model
     }
     for rec in records.values():
         ref = next(

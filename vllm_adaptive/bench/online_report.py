@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_adaptive.bench.servers import SERVED_NAME
+from vllm_adaptive.bench.servers import SERVED_NAME, reference_model
 
 #: metrics kept from a `vllm bench serve` result (the rest stays in its own file)
 KEPT = (
@@ -69,15 +69,16 @@ def summarize(servers: list[dict[str, Any]], concurrencies: Sequence[int]) -> di
             per_c[str(c)] = med
         rows[s["label"]] = per_c
     baseline = {}
+    ref_model = reference_model([s.get("model", SERVED_NAME) for s in servers])
     for c in map(str, concurrencies):
-        # the baseline is plain stock on the default checkpoint: a stock server with a drafter,
-        # or on another checkpoint (vLLM's own W8A8), is one of the compared rows
+        # the baseline is plain stock on the run's checkpoint: a stock server with a drafter or
+        # serve arguments, or on another checkpoint (vLLM's own W8A8), is one of the compared rows
         stock = [
             s
             for s in servers
             if s["stock"]
             and not s.get("serve_args")
-            and s.get("model", SERVED_NAME) == SERVED_NAME
+            and s.get("model", SERVED_NAME) == ref_model
             and c in rows[s["label"]]
         ]
         if stock:

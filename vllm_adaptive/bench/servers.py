@@ -65,6 +65,13 @@ class ServerSpec:
         return self.adaptive is None
 
 
+def reference_model(models: Sequence[str]) -> str:
+    """The checkpoint whose plain stock server is a run's baseline: the one every server runs
+    (a run of Gemma servers compares with stock Gemma), else the default model."""
+    distinct = set(models)
+    return distinct.pop() if len(distinct) == 1 else SERVED_NAME
+
+
 def parse_server_spec(text: str) -> ServerSpec:
     """``{"label": ..., "dtype": "bfloat16"|"float32", "adaptive": {...} (absent: stock),
     "serve_args": [...], "model": name, "code": git commit}``; a bad spec is a ValueError that
