@@ -74,3 +74,42 @@ def test_exits_and_kv_audit_on_compiled_blocks(compiled_depth_llm) -> None:
     assert eng["capped_prefills"] > eng0["capped_prefills"]
     exited = {int(k): v for k, v in eng["exit_tokens"].items() if int(k) < 30}
     assert sum(exited.values()) > 0
+
+
+def _span_cuts(model) -> tuple[list[int], list[int]]:
+    runtime = model.depth
+    return sorted(end for _, end, _ in runtime.parts.spans), list(runtime.profile.probe_layers)
+
+
+def test_an_engine_budget_cuts_the_stack_only_where_it_can_stop(
+    model_dir: Path, depth_profile: Path
+) -> None:
+    """An EMAD engine below 1.0 compiles spans only at the probes its own thresholds can pass
+    (fewer graph calls a probing step); a request with a lower budget of its own, whose rows may
+    stop at other probes, runs block by block and still exits there."""
+    depth = {"profile": str(depth_profile), "budget": 0.8, "floor": {"tokens": 4}}
+    llm = make_llm(model_dir, {"adaptive": {"depth": depth}}, dtype="float32", enforce_eager=False)
+    try:
+        ends, probes = llm.apply_model(_span_cuts)[0]
+        cuts = set(ends) - {30}
+        assert cuts and cuts < set(probes), (ends, probes)
+        words = "the model cache layer token exit depth"
+        prompts = [f"Chapter {k}. " + " ".join([words] * (k + 3)) for k in range(4)]
+        llm.generate(prompts, [_params(96) for _ in prompts], use_tqdm=False)
+        eng = llm.apply_model(depth_telemetry)[0]["engine"]
+        assert eng["span_steps"] > 0
+        exited = {int(k) for k, v in eng["exit_tokens"].items() if int(k) < 30 and v}
+        assert exited and exited <= cuts, (exited, cuts)
+        e0 = eng
+        llm.generate(prompts, [_params(96, 0.3) for _ in prompts], use_tqdm=False)
+        eng = llm.apply_model(depth_telemetry)[0]["engine"]
+
+        def moved(key: str) -> int:
+            return eng[key] - e0[key]
+
+        # steps whose rows may stop at probes that are no span's end ran block by block
+        assert moved("steps") - moved("span_steps") - moved("whole_stack_steps") > 0
+        early = sum(v for k, v in eng["exit_tokens"].items() if int(k) < 30)
+        assert early > sum(v for k, v in e0["exit_tokens"].items() if int(k) < 30)
+    finally:
+        shutdown(llm)

@@ -146,7 +146,14 @@ class DepthRuntime:
             return ()
         if self.exits.signal.needs_prev_stream or self.kv.owns_layer_loop or self.kv.runs_blocks:
             return ()
-        return tuple(self.profile.probe_layers)
+        probes = tuple(self.profile.probe_layers)
+        if not self.exits.emad_only or self.budget >= 1.0:
+            return probes  # any probe may stop a row (an engine at 1.0 serves request budgets)
+        # EMAD at the engine's budget: only probes whose threshold the proxy can reach stop a
+        # row, so the stack is cut there alone (a step with other live probes, from a request's
+        # own budget, runs block by block)
+        live = self.profile.thresholds_for(self.budget) >= self.profile.proxy_floor
+        return tuple(layer for layer, ok in zip(probes, live, strict=True) if ok)
 
     def attach_spans(self, parts: ModelParts) -> None:
         """Run with ``parts`` (the same model with :attr:`ModelParts.spans` compiled)."""
@@ -399,7 +406,7 @@ class DepthRuntime:
             final, _ = parts.final_norm(h, res)
             return final, depth
         # rows stop only after probe layers: the stretches between them as one graph each
-        spans = self._spans if self._caps_at_span_ends(plan.cap) else None
+        spans = self._spans if self._spans_serve(plan.cap, live) else None
         if spans is not None:
             counters.span_steps += 1
         for i, layer in enumerate(parts.layers):
@@ -500,12 +507,16 @@ class DepthRuntime:
             self.fusion.alias_outputs(step_fusion, out)
         return out, depth
 
-    def _caps_at_span_ends(self, cap: torch.Tensor) -> bool:
-        """Spans compiled, and every row's cap is the stack's end or a span's end."""
+    def _spans_serve(self, cap: torch.Tensor, live: list[bool]) -> bool:
+        """Spans compiled, every row's cap the stack's end or a span's end, and every probe
+        where a row of the step may exit a span's end."""
         if not self._spans:
             return False
         ends = self._span_ends
-        return all(c in ends for c in cap.unique().tolist() if c < self.num_layers)
+        layers = self.profile.probe_layers
+        return all(c in ends for c in cap.unique().tolist() if c < self.num_layers) and all(
+            layers[p] in ends for p, on in enumerate(live) if on
+        )
 
     @staticmethod
     def _publish_positions(pos: torch.Tensor) -> None:
