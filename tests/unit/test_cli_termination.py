@@ -13,11 +13,13 @@ import pytest
 # The parent: the CLI's handlers, then a child in its own session (as bench-serve starts
 # `vllm serve`), stopped by the same `finally` that stops a benched server.
 PARENT = """
-import subprocess, sys, time
+import signal, subprocess, sys, time
 from vllm_adaptive.cli import exit_on_termination
 from vllm_adaptive.bench.servers import start_group, stop_group
-if sys.argv[1] == "handlers":
+if sys.argv[1] in ("handlers", "blocked"):
     exit_on_termination()
+if sys.argv[1] == "blocked":  # as a thread that blocked SIGINT hands its mask to what it starts
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 child = start_group(["sleep", "300"])
 try:
     print(child.pid, flush=True)  # inside the try: a signal right after it still cleans up
@@ -55,6 +57,17 @@ def test_sigterm_stops_the_commands_children() -> None:
     rc, child = _terminate_parent("handlers", settle_s=10)
     assert rc == 128 + signal.SIGTERM
     assert not _alive(child)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_child_started_with_sigint_blocked_still_stops_at_once() -> None:
+    """A blocked SIGINT is inherited across exec; the child gets it unblocked before exec, so
+    the group's SIGINT stops it at once (blocked, it waited 30 s for SIGKILL: a CI failure)."""
+    start = time.monotonic()
+    rc, child = _terminate_parent("blocked", settle_s=10)
+    assert rc == 128 + signal.SIGTERM
+    assert not _alive(child)
+    assert time.monotonic() - start < 20
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

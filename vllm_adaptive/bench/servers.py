@@ -312,16 +312,19 @@ class Started:
     proc: subprocess.Popen = field(repr=False)
 
 
-def default_sigint() -> None:
-    """Run in a started process before exec: SIGINT back to its default, which a process
-    inherits as ignored when started from a shell's background job (or a pytest-xdist worker),
-    so that :func:`stop_group`'s SIGINT stops it rather than waiting for SIGKILL."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def default_stop_signals() -> None:
+    """Run in a started process before exec: SIGINT and SIGTERM back to their defaults and
+    unblocked. A process inherits SIGINT ignored when started from a shell's background job (or
+    a pytest-xdist worker), and inherits the starting thread's blocked signals; either way
+    :func:`stop_group`'s SIGINT would wait for SIGKILL instead of stopping it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def start_group(cmd: list[str], **popen: Any) -> subprocess.Popen:
     """``cmd`` in a process group of its own, which :func:`stop_group` stops whole."""
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=default_sigint, **popen)
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=default_stop_signals, **popen)
 
 
 def stop_group(proc: subprocess.Popen) -> None:
