@@ -147,3 +147,58 @@ def test_requests_sent_with_mode_off_do_not_draft() -> None:
     assert reqs.drafting(3) == [True, True, True]  # not the batch's step (a dummy run): all draft
     with pytest.raises(RuntimeError, match="model runner"):
         DraftingRequests(object())
+
+
+def _eagle_engine(method: str | None, dtype):
+    cfg = _vllm_config(SimpleNamespace(method=method) if method else None)
+    cfg.model_config = SimpleNamespace(dtype=dtype)
+    return cfg
+
+
+def test_draft_head_gear_is_checked_at_engine_start() -> None:
+    """adaptive.draft_head needs vLLM's EAGLE drafter and a gear the engine's dtype runs; a
+    section nothing would read is refused, not ignored."""
+    import torch
+
+    from vllm_adaptive.kernels import native
+    from vllm_adaptive.models.llama import check_engine_compatible
+    from vllm_adaptive.models.llama_eagle3 import draft_head_problem
+
+    int8 = parse_adaptive_config({"draft_head": {"gear": "int8"}})
+    with pytest.raises(AdaptiveConfigError, match="EAGLE.*got 'suffix'"):
+        check_engine_compatible(_eagle_engine("suffix", torch.bfloat16), int8)
+    with pytest.raises(AdaptiveConfigError, match="got None"):
+        check_engine_compatible(_eagle_engine(None, torch.bfloat16), int8)
+    fp16 = parse_adaptive_config({"draft_head": {"gear": "fp16"}})
+    with pytest.raises(AdaptiveConfigError, match="'fp16' runs on float32 engines, not bfloat16"):
+        check_engine_compatible(_eagle_engine("eagle3", torch.bfloat16), fp16)
+    assert draft_head_problem(fp16, _eagle_engine("eagle3", torch.float32)) is None
+    if native.int8_linear_ops() is not None:
+        assert draft_head_problem(int8, _eagle_engine("eagle3", torch.bfloat16)) is None
+    with pytest.raises(AdaptiveConfigError, match="adaptive.draft_head.gear"):
+        parse_adaptive_config({"draft_head": {"gear": "int4"}})
+
+
+def test_the_draft_head_runs_the_targets_gear_unless_told() -> None:
+    import torch
+
+    from vllm_adaptive.kernels import native
+    from vllm_adaptive.models.llama_eagle3 import draft_precision
+
+    def head(adaptive: dict | None, dtype) -> str | None:
+        extra = {} if adaptive is None else {"adaptive": adaptive}
+        return draft_precision(
+            SimpleNamespace(additional_config=extra, model_config=SimpleNamespace(dtype=dtype))
+        )
+
+    fp16 = {"precision": {"policy": "fixed", "gear": "fp16"}}
+    int8 = {"precision": {"policy": "fixed", "gear": "int8"}}
+    assert head(None, torch.float32) is None
+    assert head({}, torch.bfloat16) is None  # adaptivity off: vLLM's own head
+    assert head(fp16, torch.float32) == "fp16"
+    assert head(fp16, torch.bfloat16) is None
+    assert head({**fp16, "draft_head": {"gear": "full"}}, torch.float32) is None
+    assert head({"draft_head": {"gear": "int8"}}, torch.bfloat16) == "int8"
+    assert head({"mode": "off", "draft_head": {"gear": "int8"}}, torch.bfloat16) is None
+    want = "int8" if native.int8_linear_ops() is not None else None
+    assert head(int8, torch.bfloat16) == want

@@ -50,6 +50,7 @@ from vllm_adaptive.config.precision import (  # noqa: F401 - the package's names
 )
 from vllm_adaptive.config.speculative import (  # noqa: F401 - the package's names
     SELF_SPECULATIVE_PROPOSER,
+    DraftHeadConfig,
     HybridConfig,
     PromptLookupConfig,
     SpeculativeConfig,
@@ -66,6 +67,7 @@ class AdaptiveConfig(_Strict):
     depth: DepthConfig | None = None
     speculative: SpeculativeConfig | None = None
     hybrid: HybridConfig | None = None
+    draft_head: DraftHeadConfig | None = None
     moe: MoeConfig | None = None
 
     @model_validator(mode="after")
@@ -128,6 +130,10 @@ class AdaptiveConfig(_Strict):
     @property
     def active_hybrid(self) -> HybridConfig | None:
         return self.hybrid if self.mode == "on" else None
+
+    @property
+    def active_draft_head(self) -> DraftHeadConfig | None:
+        return self.draft_head if self.mode == "on" else None
 
     @property
     def active_moe(self) -> MoeConfig | None:

@@ -113,3 +113,18 @@ class HybridConfig(_Strict):
     @property
     def ngram(self) -> PromptLookupConfig:
         return self.prompt_lookup if self.prompt_lookup is not None else PromptLookupConfig()
+
+
+class DraftHeadConfig(_Strict):
+    """The precision of vLLM's EAGLE / EAGLE-3 draft head (``speculative_config``'s ``model``).
+
+    A draft never changes the output (the target verifies it), so the head may run a lossy
+    gear: a head pass reads its weights like a target step does (SmolLM2's head: ``fc``, one
+    decoder layer and an 8,192-row LM head, 9.9M parameters), and its GEMMs were 2.3 ms of a
+    28 ms speculative step through ``vllm serve`` on an AVX512-BF16 EPYC (docs/results.md).
+    Without this section the head runs the target's fixed gear where it has one the head
+    supports (``fp16`` on a float32 engine, ``int8``), else vLLM's own weights."""
+
+    gear: Literal["full", "fp16", "int8"]
+    """"full": vLLM's own head; "fp16": FBGEMM's / the plugin's fp16 GEMM (float32 engines);
+    "int8": the plugin's grouped int8 kernel (float32 or bf16 activations)."""

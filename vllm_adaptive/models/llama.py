@@ -64,6 +64,11 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
         problem = engine_problem(spec, adaptive.active_hybrid)
         if problem is not None:
             raise AdaptiveConfigError(problem)
+    from vllm_adaptive.models.llama_eagle3 import draft_head_problem
+
+    problem = draft_head_problem(adaptive, vllm_config)
+    if problem is not None:
+        raise AdaptiveConfigError(problem)
     if spec is not None and getattr(spec, "method", None) in ("eagle", "eagle3"):
         if adaptive.active_depth is not None:
             raise AdaptiveConfigError(
