@@ -48,6 +48,7 @@ def test_model_class(engine) -> None:
             "depth": None,
             "speculative": None,
             "hybrid": None,
+            "draft_head": None,
             "moe": None,
         }
 

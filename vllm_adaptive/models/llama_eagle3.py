@@ -13,12 +13,15 @@ vLLM's class unchanged, as without an ``adaptive`` section.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from vllm_adaptive.engine.vllm_api import Eagle3LlamaForCausalLM
+
+logger = logging.getLogger("vllm.adaptive.speculative")
 
 #: the head's linear layers, by their module names' last part
 DRAFT_LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -134,4 +137,9 @@ class AdaptiveEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
         loaded = super().load_weights(weights)
         if self.draft_precision is not None:
             self.geared_linears = gear_draft_linears(self, self.draft_precision)
+            logger.info(
+                "vllm-adaptive: the EAGLE draft head's %d linears run the %s gear",
+                len(self.geared_linears),
+                self.draft_precision,
+            )
         return loaded
