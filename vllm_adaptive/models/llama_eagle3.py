@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vllm_adaptive.config import PrecisionConfig
 from vllm_adaptive.engine.vllm_api import Eagle3LlamaForCausalLM
 
 logger = logging.getLogger("vllm.adaptive.speculative")
@@ -27,8 +28,8 @@ logger = logging.getLogger("vllm.adaptive.speculative")
 DRAFT_LINEARS = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 #: the prefix of the draft head's geared linears' names (``introspection.draft_gears``)
 DRAFT_PREFIX = "draft."
-#: the int8 gear's group of K (the target's default ``group_size``)
-INT8_GROUP = 32
+#: the int8 gear's group of K: the target's default ``group_size``
+INT8_GROUP = PrecisionConfig.model_fields["group_size"].default
 
 
 #: the gears a draft head runs, and the engine dtypes each takes
