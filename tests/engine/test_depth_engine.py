@@ -67,9 +67,12 @@ def test_budget_one_is_token_identical_to_stock(depth_llm, stock_bf16: dict) -> 
     ref = stock_bf16["identity"]
     assert got["alone"] == ref["alone"]
     after = depth_llm.apply_model(depth_telemetry)[0]["engine"]
-    # the runtime planned those steps (not a bypass) and no token stopped early
+    # the runtime ran those steps (not a bypass) and no token stopped early; with no request
+    # able to exit and no slot recorded short, every step took the quiet path (no plan)
     assert after["decode_tokens"] - before["decode_tokens"] >= len(PROMPTS) * (MAX_TOKENS - 1)
     assert set(after["exit_tokens"]) == {"30"}
+    steps = after["steps"] - before["steps"]
+    assert steps > 0 and after["quiet_steps"] - before["quiet_steps"] == steps
     if got["batch"] != ref["batch"] and amx_bf16_attention():
         pytest.xfail(AMX_EAGER_DRIFT)  # single prompts above stay strict
     assert got["batch"] == ref["batch"]
@@ -114,7 +117,9 @@ def test_kv_audit_mixed_batches_prefix_hits_preemption(depth_llm) -> None:
     # prefix-cache hits on blocks that exited tokens wrote: continue a finished request
     first = depth_llm.generate(["Write a story about a lighthouse keeper."], _params(300, 0.4))[0]
     ids = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+    quiet0 = depth_llm.apply_model(depth_telemetry)[0]["engine"]["quiet_steps"]
     depth_llm.generate([{"prompt_token_ids": ids}], _params(16, tag="resume"), use_tqdm=False)
+    resume_quiet = depth_llm.apply_model(depth_telemetry)[0]["engine"]["quiet_steps"] - quiet0
     # preemption: more concurrent KV than the 12 blocks hold
     long = [f"Chapter {k}. " + " ".join(words) for k in range(5)]
     depth_llm.generate(long, [_params(330, 0.5) for _ in long], use_tqdm=False)
@@ -126,6 +131,8 @@ def test_kv_audit_mixed_batches_prefix_hits_preemption(depth_llm) -> None:
     assert metric(depth_llm, "vllm:num_preemptions") > preempt0
     assert metric(depth_llm, "vllm:prefix_cache_hits") > hits0
     assert eng["capped_prefills"] > eng0["capped_prefills"]  # the resumed prefill was capped
+    # the resumed request cannot exit, but slots were recorded short: its steps were planned
+    assert resume_quiet == 0
     # chunked prefill and prefix hits: prefill rows that attend to slots of earlier steps
     assert eng["prefills_with_context"] > eng0["prefills_with_context"]
     assert eng["backfilled_kv"] > eng0["backfilled_kv"]  # refreshes backfilled K/V

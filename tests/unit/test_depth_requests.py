@@ -17,6 +17,9 @@ from vllm_adaptive.overrides import RequestOverrideError
 
 
 class _Profile:
+    # thresholds below 0.4 at every probe lie under the proxy's range: they never pass
+    proxy_floor = np.full(3, 0.4)
+
     def __init__(self) -> None:
         self.calls: list[float] = []
 
@@ -66,6 +69,8 @@ def test_admission_resolves_budget_mode_and_tag(monkeypatch) -> None:
     assert (b.budget, b.off) == (0.5, False) and b.thresholds.tolist() == [0.5] * 3
     assert off.off and off.thresholds.tolist() == [1.0] * 3
     assert full.off and full.budget == 1.0
+    # quiet (the plan may be skipped): off, or no threshold within the proxy's range
+    assert [r.quiet for r in (a, b, off, full)] == [True, False, True, True]
     assert sorted(profile.calls) == [0.3, 0.5, 1.0]  # one per budget, cached
     assert reqs.update_batch(admit(_update(removed=[0, 2]))) == 2
     finished, running = reqs.records()
@@ -131,3 +136,20 @@ def test_requests_module_does_not_know_the_runtime() -> None:
     }
     assert "runtime" not in names | attrs
     assert not any(m.endswith("runtime") for m in mods)
+
+
+def test_only_an_emad_engine_knows_a_request_cannot_exit() -> None:
+    """Another signal ignores budgets: its requests may exit unless switched off."""
+    reqs, _ = _requests(signals=("emad", "quicksilver"))
+    reqs.update_batch(
+        admit(
+            _update(
+                added=[
+                    (0, _params(adaptive_depth_budget=0.3), [1], []),
+                    (1, _params(adaptive_mode="off"), [2], []),
+                ]
+            )
+        )
+    )
+    low, off = reqs.rows(2)
+    assert not low.quiet and off.quiet

@@ -22,6 +22,7 @@ class EngineCounters(DecodeDepthStats):
     masked_steps: int = 0  # steps where some cached slot was masked at some layer
     peels: int = 0
     whole_stack_steps: int = 0  # steps with nothing to decide: every layer as one call
+    quiet_steps: int = 0  # of those, steps no request could leave early: no plan was made
     span_steps: int = 0  # steps that probed on compiled spans (one call between probe layers)
     accelerated_rows: int = 0  # (decode token, gate interval) accelerated streams computed
     accelerated_token_layers: int = 0  # decode token-layers run on the accelerated stream

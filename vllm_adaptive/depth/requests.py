@@ -35,6 +35,9 @@ class DepthRequest:
     capped_prefill: int | None = None
     resumed: bool = False  # admitted with generated tokens: resumed after preemption
     mode_off: bool = False  # adaptive_mode "off" (a budget of 1.0 stops exits, not fusion)
+    #: no token of it can stop early: off, or an EMAD-only engine whose thresholds for its
+    #: budget all lie below what the proxy can output (a budget of 1.0)
+    quiet: bool = False
 
     def record(self, num_layers: int, engine_budget: float) -> dict[str, Any]:
         hist: dict[str, int] = {}
@@ -65,6 +68,10 @@ class BudgetThresholds:
         self.engine_budget = engine_budget
         self._cache: dict[float, np.ndarray] = {}
 
+    def can_pass(self, thresholds: np.ndarray) -> bool:
+        """Some probe's threshold is within the proxy's range: the exit signal may pass."""
+        return bool((thresholds >= self.profile.proxy_floor).any())
+
     def __call__(self, budget: float | None) -> np.ndarray:
         b = self.engine_budget if budget is None else budget
         if b not in self._cache:
@@ -88,6 +95,7 @@ class DepthRequests:
         self.engine_budget = thresholds.engine_budget
         self.signal_names = signal_names
         self.uses_budget = "emad" in signal_names
+        self.emad_only = signal_names == ("emad",)
         self.telemetry_path = telemetry_path
         self.mirror: SlotMirror[DepthRequest] = SlotMirror(self._new, self._finish)
         self.finished: list[dict[str, Any]] = []
@@ -113,12 +121,14 @@ class DepthRequests:
                     o.depth_budget,
                     "+".join(self.signal_names),
                 )
+        thresholds = self.thresholds(1.0 if off else o.depth_budget)
         return DepthRequest(
             tag=o.request_tag or f"req{self.seen}",
             prompt_len=len(prompt_ids or ()),
             budget=o.depth_budget,
             off=off,
-            thresholds=self.thresholds(1.0 if off else o.depth_budget),
+            quiet=off or (self.emad_only and not self.thresholds.can_pass(thresholds)),
+            thresholds=thresholds,
             resumed=bool(out),
             mode_off=o.mode == "off",
         )
@@ -143,15 +153,21 @@ class DepthRequests:
     def rows(self, num_reqs: int) -> list[DepthRequest] | None:
         return self.mirror.rows(num_reqs)
 
-    def observe(self, plan: Any, depth: list[int]) -> None:
+    def observe(
+        self,
+        states: list[DepthRequest] | None,
+        samples: np.ndarray,
+        decode: np.ndarray,
+        depth: list[int],
+    ) -> None:
         """Depth of the token each row produced this step (prefill rows: only the row's last
-        chunk produces a token; its depth is the prefill depth)."""
-        if plan.states is None:
+        chunk produces a token, ``samples``; its depth is the prefill depth)."""
+        if states is None:
             return
-        for r, req in enumerate(plan.states):
-            if not plan.samples[r]:
+        for r, req in enumerate(states):
+            if not samples[r]:
                 continue
-            if not plan.decode[r] and int(depth[r]) < self.num_layers:
+            if not decode[r] and int(depth[r]) < self.num_layers:
                 req.capped_prefill = int(depth[r])
             req.depths.append(int(depth[r]))
 

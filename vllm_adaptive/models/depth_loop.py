@@ -4,7 +4,7 @@ has Llama's layout (``embed_input_ids``, ``layers`` from ``start_layer`` to ``en
 
 :class:`DepthLayerLoop` is mixed in before the stock ``*Model``: when a depth runtime is
 attached (``depth_runtime``) and the step is one it can plan, the runtime decides which tokens
-run which layers (``depth/runtime.py``); otherwise :meth:`DepthLayerLoop.run_layers` runs every
+run which layers (``depth/runtime.py``); otherwise :meth:`DepthLayerLoop.run_final` runs every
 layer, through the runtime's compiled blocks when it has them (so vLLM's warm-up compiles them).
 :func:`attach_depth_runtime` loads and checks the profile at engine start and wires the runtime
 into the model; errors name the config key. Used by ``llama.py`` and ``gemma3.py``.
@@ -64,12 +64,28 @@ class DepthLayerLoop:
             out = runtime.forward(md, positions, hidden, input_ids)
             if out is not None:
                 return out
+        if runtime is not None and not extra_layer_kwargs and get_pp_group().is_last_rank:
+            return self.run_final(positions, hidden, residual)
         hidden, residual = self.run_layers(positions, hidden, residual, **extra_layer_kwargs)
 
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def run_final(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every layer and the final norm for every token, through the runtime's stack graph:
+        the fallback for steps the depth runtime does not plan (dummy, profiling and padded
+        steps), so that vLLM's warm-up compiles the runtime's graphs."""
+        runtime = self.depth_runtime
+        assert runtime is not None
+        parts = runtime.parts
+        if runtime.block_compile_seconds() is None and attention_skipped():
+            return _warm_up(parts, positions, hidden, residual)
+        out, _ = parts.run_stack(positions, hidden, residual)
+        return out
 
     def run_layers(
         self,
@@ -78,28 +94,35 @@ class DepthLayerLoop:
         residual: torch.Tensor | None,
         **extra_layer_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for every token: the path with depth off, and the fallback for steps the
-        depth runtime does not plan (dummy, profiling and padded steps, later pipeline stages).
-        With depth on it runs the runtime's blocks, so vLLM's warm-up compiles them."""
+        """Every layer for every token, without the final norm: the path with depth off, and
+        with it on a pipeline stage before the last (block by block)."""
         runtime = self.depth_runtime
         if runtime is not None and not extra_layer_kwargs:
-            parts = runtime.parts
-            if runtime.block_compile_seconds() is None and attention_skipped():
-                if parts.compiled_stack is not None:
-                    parts.compiled_stack.warm_up(positions, hidden, residual)
-                h, r = hidden, residual
-                for _, _, span in parts.spans:
-                    h, r = span.warm_up(positions, h, r)
-                for layer in parts.layers:
-                    if layer.compiled is not None:
-                        hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
-                    else:
-                        hidden, residual = layer.run_block(positions, hidden, residual)
-                return hidden, residual
-            return parts.run_stack(positions, hidden, residual)
+            for layer in runtime.parts.layers:
+                hidden, residual = layer.run_block(positions, hidden, residual)
+            return hidden, residual
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, **extra_layer_kwargs)
         return hidden, residual
+
+
+def _warm_up(
+    parts: ModelParts, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """Compile every graph of ``parts`` on a warm-up step (attention skipped); the step's
+    output after the final norm."""
+    out = None
+    if parts.compiled_stack is not None:
+        out, _ = parts.compiled_stack.warm_up(positions, hidden, residual)
+    h, r = hidden, residual
+    for _, _, span in parts.spans:
+        h, r = span.warm_up(positions, h, r)
+    for layer in parts.layers:
+        if layer.compiled is not None:
+            hidden, residual = layer.compiled.warm_up(positions, hidden, residual)
+        else:
+            hidden, residual = layer.run_block(positions, hidden, residual)
+    return out if out is not None else parts.final_norm(hidden, residual)[0]
 
 
 def install_depth_attention(depth: Any | None) -> None:

@@ -153,7 +153,8 @@ class ModelParts:
     vocab_size: int
     embedding_scale: float | None = None  # Gemma 3: sqrt(hidden); None: unscaled
     info: dict[str, Any] = field(default_factory=dict)  # architecture notes for logs
-    #: every layer's block in one compiled graph (``models/compiled_blocks.py``); None: eager
+    #: every layer's block and the final norm in one compiled graph
+    #: (``models/compiled_blocks.py``); None: eager
     compiled_stack: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     #: ``(start, end, graph)``: layers ``start .. end - 1`` in one compiled graph, consecutive
     #: spans covering the stack, cut where the depth runtime decides (its probe layers); empty
@@ -163,12 +164,13 @@ class ModelParts:
     def run_stack(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for these tokens: one compiled graph where the engine compiles."""
+        """Every layer and the final norm for these tokens: ``(output, residual stream)``, one
+        compiled graph where the engine compiles (the norm inside it, as in vLLM's graph)."""
         if self.compiled_stack is not None:
             return self.compiled_stack(positions, hidden, residual)
         for layer in self.layers:
             hidden, residual = layer.run_block(positions, hidden, residual)
-        return hidden, residual
+        return self.final_norm(hidden, residual)
 
     @property
     def layer_names(self) -> list[str]:

@@ -3,11 +3,12 @@
 The decoder layers, attention, weights and loading are vLLM's own (inherited, not copied).
 `AdaptiveLlamaModel.forward` hands the decoder stack to the depth runtime (`depth/runtime.py`,
 which decides which tokens run which layers) when adaptive depth is on and the step is one it
-can plan; otherwise `run_layers` runs every layer for every token. `llama_layer_parts` is Llama's
-entry in the model interface (`models/interface.py`; the MoEfied model reuses it), and
-`AdaptiveLlamaForCausalLM` adds the depth runtime to what every adaptive twin has
-(`models/base.py`: the precision gears and the self-speculative draft at `load_weights`). With
-every mechanism off the output is token-for-token stock vLLM's (tests/engine/test_identity.py).
+can plan; otherwise `run_final` runs every layer and the final norm for every token.
+`llama_layer_parts` is Llama's entry in the model interface (`models/interface.py`; the
+MoEfied model reuses it), and `AdaptiveLlamaForCausalLM` adds the depth runtime to what every
+adaptive twin has (`models/base.py`: the precision gears and the self-speculative draft at
+`load_weights`). With every mechanism off the output is token-for-token stock vLLM's
+(tests/engine/test_identity.py).
 """
 
 from __future__ import annotations
