@@ -324,8 +324,8 @@ class DepthRuntime:
     ) -> torch.Tensor:
         """A step no row can leave early (every request quiet, no slot recorded below the full
         stack, so every strategy's plan is "all layers"): the stack as one graph, then the
-        record and the telemetry, without planning row by row (per-row Python that cost
-        about a millisecond a step at eight requests)."""
+        record and the telemetry, without planning row by row (per-row Python: a record read
+        per decode row, the thresholds matrix)."""
         t0 = time.perf_counter()
         parts, L, n = self.parts, self.num_layers, positions.shape[0]
         out, _ = parts.run_stack(positions, hidden, None)
