@@ -505,6 +505,41 @@ def test_native_int8_kernel_computes_the_grid_at_any_shape(n: int, k: int) -> No
             assert float((yb.double() - refb).abs().max() / refb.abs().max()) < 1e-2
 
 
+@pytest.mark.parametrize("n, k", [(45, 64), (97, 1536), (192, 320)])
+def test_native_int8_bf16_rows_on_amx_tiles_sum_what_the_dot_product_loop_sums(
+    n: int, k: int
+) -> None:
+    """Where the CPU has AMX-BF16, bf16 rows from a few on run on AMX tiles (the codes made
+    bf16 pairs per 32 k, 16 rows a tile, missing rows zero-padded): the same exact products as
+    the vdpbf16ps loop, summed in another order, per-row and grouped scales, row counts around
+    the 16-row tile."""
+    if shutil.which("c++") is None or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no C++ compiler or no AVX2 / FMA: the native kernels cannot run here")
+    if native.int8_amx_rows() < 0:
+        pytest.skip("no AMX-BF16 on this CPU (or the kernel may not use it)")
+    pack, run = native.int8_linear_ops()
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    before = native.int8_amx_rows()
+    try:
+        for p in (quantize(w, 8), quantize(w, 8, 32)):
+            layout = pack(p.codes(), p.scales.float().t().contiguous())
+            ref_w = dequantize(p, torch.float64)
+            for m in (2, 3, 8, 16, 17, 32, 33, 50):
+                x = torch.randn(m, k, generator=g).bfloat16()
+                native.int8_amx_rows(2)
+                tiles = run(x, *layout, n)
+                native.int8_amx_rows(0)
+                loop = run(x, *layout, n)
+                ref = x.double() @ ref_w.t()
+                scale = float(ref.abs().max())
+                assert tiles.shape == (m, n) and tiles.dtype == torch.float32
+                assert float((tiles.double() - ref).abs().max()) / scale < 1e-5, (p.describe(), m)
+                assert float((tiles - loop).abs().max()) / scale < 1e-5, (p.describe(), m)
+    finally:
+        native.int8_amx_rows(before)
+
+
 # ---------------------------------------------------------------------------------------------
 # A real layer from the default model
 # ---------------------------------------------------------------------------------------------

@@ -115,6 +115,14 @@ def time_kernel(fn: Kernel, x: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+def table_key() -> dict[str, Any]:
+    """What a cached table was measured on: the machine (:func:`cpu_info`) and the build of the
+    plugin's C++ kernels, so that changed kernels are measured again."""
+    from vllm_adaptive.kernels import native
+
+    return {**cpu_info(), "native_kernels": native.build_name()}
+
+
 class DispatchTable:
     """Per (format, shape) key: the fastest kernel at each token-count bucket, with the
     timings it was chosen from (microseconds)."""
@@ -128,7 +136,7 @@ class DispatchTable:
     # -- persistence ---------------------------------------------------------------------------
     @classmethod
     def for_this_machine(cls) -> DispatchTable:
-        info = cpu_info()
+        info = table_key()
         digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
         table = cls(cache_dir() / f"{digest}.json")
         if setting(AUTOTUNE, "on") != "refresh" and table.path.exists():
@@ -146,7 +154,7 @@ class DispatchTable:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(
-            json.dumps({"machine": cpu_info(), "entries": self.entries}, indent=1, sort_keys=True)
+            json.dumps({"machine": table_key(), "entries": self.entries}, indent=1, sort_keys=True)
         )
         os.replace(tmp, self.path)
         self.dirty = False

@@ -79,6 +79,12 @@ def _build_name() -> tuple[str, Path]:
     return name, cache_root() / "extensions" / name
 
 
+def build_name() -> str | None:
+    """The name (a digest of the sources, flags, torch and ISA) of the build these kernels
+    need; None where they are turned off."""
+    return _build_name()[0] if enabled() else None
+
+
 def is_cached() -> bool:
     """Whether this machine already has the build these sources need (loading it is quick)."""
     name, build_dir = _build_name()
@@ -164,6 +170,15 @@ def int8_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]
         return None
     ops = getattr(torch.ops, NAMESPACE)
     return ops.int8_pack, ops.int8_linear
+
+
+def int8_amx_rows(rows: int = -1) -> int:
+    """The fewest bf16 rows the int8 kernel runs on AMX tiles (``csrc/int8_linear.cpp``; below
+    them its vdpbf16ps loop; 0: never), set to ``rows`` when ``rows >= 0``; returns the setting
+    before, or -1 where this CPU, build or process has no AMX-BF16 (and nothing is set)."""
+    if int8_linear_ops() is None:
+        return -1
+    return int(getattr(torch.ops, NAMESPACE).int8_amx_rows(rows))
 
 
 def int4_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]] | None:
