@@ -506,38 +506,43 @@ def test_native_int8_kernel_computes_the_grid_at_any_shape(n: int, k: int) -> No
 
 
 @pytest.mark.parametrize("n, k", [(45, 64), (97, 1536), (192, 320)])
-def test_native_int8_bf16_rows_on_amx_tiles_sum_what_the_dot_product_loop_sums(
-    n: int, k: int
-) -> None:
-    """Where the CPU has AMX-BF16, bf16 rows from a few on run on AMX tiles (the codes made
-    bf16 pairs per 32 k, 16 rows a tile, missing rows zero-padded): the same exact products as
-    the vdpbf16ps loop, summed in another order, per-row and grouped scales, row counts around
-    the 16-row tile."""
+def test_bf16_rows_on_amx_tiles_sum_what_the_dot_product_loops_sum(n: int, k: int) -> None:
+    """Where the CPU has AMX-BF16, the int8 and 4-bit kernels run bf16 rows from a few on on AMX
+    tiles (the codes made bf16 pairs per 32 k, up to 32 rows per read, missing rows zero-padded):
+    the same exact products as their vdpbf16ps loops, summed in another order, for per-row and
+    grouped scales, 4-bit offsets, and row counts around the 16-row tiles."""
     if shutil.which("c++") is None or not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("no C++ compiler or no AVX2 / FMA: the native kernels cannot run here")
-    if native.int8_amx_rows() < 0:
+    if native.amx_rows() < 0:
         pytest.skip("no AMX-BF16 on this CPU (or the kernel may not use it)")
-    pack, run = native.int8_linear_ops()
+    pack8, run8 = native.int8_linear_ops()
+    pack4, run4 = native.int4_linear_ops()
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.05
-    before = native.int8_amx_rows()
+    cases = []
+    for p in (quantize(w, 8), quantize(w, 8, 32)):
+        layout = pack8(p.codes(), p.scales.float().t().contiguous())
+        cases.append((p, lambda x, layout=layout: run8(x, *layout, n)))
+    for p in (quantize(w, 4, 32), quantize(w, 4, 32, symmetric=False), quantize(w, 4, None)):
+        layout = pack4(p.codes(), p.scales.float(), None if p.offsets is None else p.offsets)
+        cases.append((p, lambda x, layout=layout: run4(x, *layout, n)))
+    before = native.amx_rows()
     try:
-        for p in (quantize(w, 8), quantize(w, 8, 32)):
-            layout = pack(p.codes(), p.scales.float().t().contiguous())
+        for p, run in cases:
             ref_w = dequantize(p, torch.float64)
             for m in (2, 3, 8, 16, 17, 32, 33, 50):
                 x = torch.randn(m, k, generator=g).bfloat16()
-                native.int8_amx_rows(2)
-                tiles = run(x, *layout, n)
-                native.int8_amx_rows(0)
-                loop = run(x, *layout, n)
+                native.amx_rows(2)
+                tiles = run(x)
+                native.amx_rows(0)
+                loop = run(x)
                 ref = x.double() @ ref_w.t()
                 scale = float(ref.abs().max())
                 assert tiles.shape == (m, n) and tiles.dtype == torch.float32
                 assert float((tiles.double() - ref).abs().max()) / scale < 1e-5, (p.describe(), m)
                 assert float((tiles - loop).abs().max()) / scale < 1e-5, (p.describe(), m)
     finally:
-        native.int8_amx_rows(before)
+        native.amx_rows(before)
 
 
 # ---------------------------------------------------------------------------------------------

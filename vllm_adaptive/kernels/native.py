@@ -60,7 +60,7 @@ SOURCES = (
     "geared_routes.cpp",
     "entropy.cpp",
 )
-HEADERS = ("masked_common.h", "blocked_weight.h", "vec_exp.h")
+HEADERS = ("masked_common.h", "blocked_weight.h", "vec_exp.h", "amx_tiles.h")
 
 
 def build_digest(files: list[Path]) -> str:
@@ -172,13 +172,13 @@ def int8_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]
     return ops.int8_pack, ops.int8_linear
 
 
-def int8_amx_rows(rows: int = -1) -> int:
-    """The fewest bf16 rows the int8 kernel runs on AMX tiles (``csrc/int8_linear.cpp``; below
-    them its vdpbf16ps loop; 0: never), set to ``rows`` when ``rows >= 0``; returns the setting
-    before, or -1 where this CPU, build or process has no AMX-BF16 (and nothing is set)."""
+def amx_rows(rows: int = -1) -> int:
+    """The fewest bf16 rows the int8 and 4-bit kernels run on AMX tiles (``csrc/amx_tiles.h``;
+    below them their vdpbf16ps loops; 0: never), set to ``rows`` when ``rows >= 0``; returns the
+    setting before, or -1 where this CPU, build or process has no AMX-BF16 (nothing is set)."""
     if int8_linear_ops() is None:
         return -1
-    return int(getattr(torch.ops, NAMESPACE).int8_amx_rows(rows))
+    return int(getattr(torch.ops, NAMESPACE).amx_rows(rows))
 
 
 def int4_linear_ops() -> tuple[Callable[..., tuple], Callable[..., torch.Tensor]] | None:

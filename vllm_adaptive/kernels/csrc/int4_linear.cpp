@@ -30,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "blocked_weight.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -233,6 +234,71 @@ void rows_of_block_bf16(const uint16_t* x, int64_t ldx, const float* xsum, int64
 constexpr bool kBf16Dot = false;
 #endif
 
+#if defined(ADAPTIVE_AMX_TILES)
+// bf16 rows [M, K] -> float32 [M, out_features] on AMX tiles (amx_tiles::take checked): the raw
+// codes u as bf16 pairs (the vdpbf16ps loop's table lookup), each group's sums of x u times its
+// scale plus the rows' sums of x times its folded offset, as there.
+at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& offsets, int64_t out_features) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
+  const int64_t G = scales.size(0), group = K / G, lds = blocks * kCols;
+  const at::Tensor xsum = at::sum(x.view({M, G, group}), {2}, false, at::kFloat).contiguous();
+  const float* xsp = xsum.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  static const __m512i lut = bf16_of_nibbles();
+  amx_tiles::for_each_block(x, blocks, out_features, [&](const uint16_t* xs, int64_t b,
+                                                         int64_t cols, int64_t r, int64_t rows,
+                                                         bool two) {
+    const uint8_t* w = wp + b * K * kBytes;
+    const float* s = sp + b * kCols;
+    const float* o = op + b * kCols;
+    const float* xsr = xsp + r * G;
+    const __m512i nibble = _mm512_set1_epi16(0xF);
+    alignas(64) float out[amx_tiles::kRows][kCols];
+    auto pairs = [&](int64_t k, uint16_t* b0, uint16_t* b1) {
+      const uint8_t* wk = w + k * kBytes;
+      for (int p = 0; p < 16; ++p, wk += 2 * kBytes) {
+        _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch), _MM_HINT_T0);
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk));
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + kBytes));
+        const __m512i q = _mm512_cvtepu8_epi16(
+            _mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+        _mm512_store_si512(b0 + 32 * p, _mm512_permutexvar_epi16(_mm512_and_si512(q, nibble), lut));
+        _mm512_store_si512(b1 + 32 * p, _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), lut));
+      }
+    };
+    auto epilogue = [&](int64_t g, const float (&c)[amx_tiles::kRows][kCols]) {
+      const __m512 s0 = _mm512_loadu_ps(s + g * lds), s1 = _mm512_loadu_ps(s + g * lds + 16);
+      const __m512 o0 = _mm512_loadu_ps(o + g * lds), o1 = _mm512_loadu_ps(o + g * lds + 16);
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 xg = _mm512_set1_ps(xsr[i * G + g]);
+        const __m512 a0 = g > 0 ? _mm512_load_ps(out[i]) : _mm512_setzero_ps();
+        const __m512 a1 = g > 0 ? _mm512_load_ps(out[i] + 16) : _mm512_setzero_ps();
+        _mm512_store_ps(out[i], _mm512_fmadd_ps(_mm512_load_ps(c[i]), s0, _mm512_fmadd_ps(xg, o0, a0)));
+        _mm512_store_ps(out[i] + 16,
+                        _mm512_fmadd_ps(_mm512_load_ps(c[i] + 16), s1, _mm512_fmadd_ps(xg, o1, a1)));
+      }
+    };
+    if (two)
+      amx_tiles::block<true>(xs, K, group, pairs, epilogue);
+    else
+      amx_tiles::block<false>(xs, K, group, pairs, epilogue);
+    amx_tiles::store_rows(out, rows, cols, yp + r * out_features + b * kCols, out_features);
+  });
+  return y;
+}
+#else
+at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "int4_linear: this build has no AMX-BF16");
+  return x;
+}
+#endif
+
 template <int R>
 void rows_of_block(const float* x, int64_t ldx, const float* xsum, int64_t G, int64_t K,
                    int64_t group, const uint8_t* w, const float* s, const float* o, int64_t lds,
@@ -337,6 +403,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "int4_linear: scales and offsets must come from int4_pack with the codes");
   const int64_t G = scales.size(0), group = K / G, lds = blocks * kCols;
   if (x.scalar_type() == at::kBFloat16) {
+    if (amx_tiles::take(M, K, group))
+      return int4_linear_amx(x, packed, scales, offsets, out_features);
     if (kBf16Dot && group % 2 == 0) return int4_linear_bf16(x, packed, scales, offsets, out_features);
     return int4_linear(x.to(at::kFloat), packed, scales, offsets, out_features);
   }

@@ -10,27 +10,22 @@
 // column the accumulators are scaled once at the end, with groups of K once per group (AVX512;
 // per code on AVX2, whose 16 registers hold no second set of sums). bf16 rows run a vdpbf16ps
 // loop over the same layout where the CPU has AVX512-BF16, and from a few rows on AMX tiles
-// where it has AMX-BF16 (the weight read and converted once per 16 rows, the products on the
-// tile unit: the vdpbf16ps loop's multiplies are what bound it from about 4 rows on).
+// where it has AMX-BF16 (amx_tiles.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <tuple>
 
+#include "amx_tiles.h"
 #include "blocked_weight.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace {
@@ -211,159 +206,60 @@ void rows_of_block_bf16(const uint16_t* x, int64_t ldx, int64_t K, int64_t group
 constexpr bool kBf16Dot = false;
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-constexpr bool kAmxBuild = true;
-constexpr int64_t kTileRows = 16;  // rows of an A tile (16 x 32 bf16)
-constexpr int64_t kAmxRows = 32;   // rows per read of the weight: two A tiles
-
-// Linux hands a process the AMX tile registers only once it asks (arch_prctl with
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a kernel that refuses leaves the vdpbf16ps loop.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// All eight tiles 16 x 64 B: 0 / 1 = rows 0-15 / 16-31 of x over 32 k (bf16), 2 / 3 = the codes
-// of columns 0-15 / 16-31 over the same 32 k as 16 (k, k + 1) pairs (bf16), 4 + 2 i + j = the
-// float32 sums of x tile i times codes tile j. The configuration is the thread's, and oneDNN
-// loads its own: set on entry to each parallel chunk, released on leaving it.
-inline void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// One block of 32 columns for rows r .. r + rows (at most 32) of the zero-padded x: per 32 k the
-// codes become bf16 pairs (exact: int8 values are) once for both row tiles, the tile unit sums
-// the products in float32, and each group's sums are scaled and added in float32 (with one scale
-// per column, once at the end), as the vdpbf16ps loop does.
-template <bool Two>
-void block_amx(const uint16_t* x, int64_t K, int64_t group, const int8_t* w, const float* s,
-               int64_t lds, float* y, int64_t ldy, int64_t cols, int64_t rows) {
-  alignas(64) uint16_t b[2][16 * 32];
-  alignas(64) float c[kAmxRows][kCols];
-  alignas(64) float out[kAmxRows][kCols] = {};
-  const bool grouped = group != K;
-  const int64_t chunk = grouped ? group : K;
-  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-    _tile_zero(4);
-    _tile_zero(5);
-    if constexpr (Two) {
-      _tile_zero(6);
-      _tile_zero(7);
-    }
-    for (int64_t k = k0; k < k0 + chunk; k += 32) {
-      const int8_t* wk = w + k * kCols;
-      for (int p = 0; p < 16; ++p, wk += 2 * kCols) {
-        _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch), _MM_HINT_T0);
-        _mm512_store_si512(b[0] + 32 * p, (__m512i)pairs16(wk, 0));
-        _mm512_store_si512(b[1] + 32 * p, (__m512i)pairs16(wk, 1));
-      }
-      _tile_loadd(2, b[0], 64);
-      _tile_loadd(3, b[1], 64);
-      _tile_loadd(0, x + k, K * 2);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(5, 0, 3);
-      if constexpr (Two) {
-        _tile_loadd(1, x + kTileRows * K + k, K * 2);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-    }
-    _tile_stored(4, c[0], kCols * 4);
-    _tile_stored(5, c[0] + 16, kCols * 4);
-    if constexpr (Two) {
-      _tile_stored(6, c[kTileRows], kCols * 4);
-      _tile_stored(7, c[kTileRows] + 16, kCols * 4);
-    }
-    if (grouped) {
-      const float* sg = s + (k0 / group) * lds;
-      const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
-      for (int64_t r = 0; r < rows; ++r) {
-        _mm512_store_ps(out[r], _mm512_fmadd_ps(_mm512_load_ps(c[r]), s0, _mm512_load_ps(out[r])));
-        _mm512_store_ps(out[r] + 16, _mm512_fmadd_ps(_mm512_load_ps(c[r] + 16), s1,
-                                                     _mm512_load_ps(out[r] + 16)));
-      }
-    } else {
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(out[r], c[r], sizeof out[r]);
-    }
-  }
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 s0 = grouped ? one : _mm512_loadu_ps(s), s1 = grouped ? one : _mm512_loadu_ps(s + 16);
-  const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_load_ps(out[r]), s0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_load_ps(out[r] + 16), s1));
-  }
-}
-
-// bf16 rows [M, K] -> float32 [M, out_features] on AMX tiles (K and the groups in multiples of
-// 32, checked by the caller)
+#if defined(ADAPTIVE_AMX_TILES)
+// bf16 rows [M, K] -> float32 [M, out_features] on AMX tiles (amx_tiles::take checked)
 at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            int64_t out_features) {
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
   at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
-  const int64_t padded_rows = (M + kTileRows - 1) / kTileRows * kTileRows;
-  at::Tensor xp = x;
-  if (padded_rows != M) {  // a tile loads 16 rows: the missing ones are zeros
-    xp = at::zeros({padded_rows, K}, x.options());
-    xp.narrow(0, 0, M).copy_(x);
-  }
   const int64_t group = K / scales.size(0), lds = blocks * kCols;
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  const bool grouped = group != K;
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    configure_tiles();
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t cols = std::min(kCols, out_features - b * kCols);
-      for (int64_t r = 0; r < M; r += kAmxRows) {
-        const int64_t rows = std::min(kAmxRows, M - r);
-        auto* run = rows > kTileRows ? &block_amx<true> : &block_amx<false>;
-        run(xs + r * K, K, group, wp + b * K * kCols, sp + b * kCols, lds,
-            yp + r * out_features + b * kCols, out_features, cols, rows);
+  amx_tiles::for_each_block(x, blocks, out_features, [&](const uint16_t* xs, int64_t b,
+                                                         int64_t cols, int64_t r, int64_t rows,
+                                                         bool two) {
+    const int8_t* w = wp + b * K * kCols;
+    const float* s = sp + b * kCols;
+    alignas(64) float out[amx_tiles::kRows][kCols];
+    auto pairs = [&](int64_t k, uint16_t* b0, uint16_t* b1) {
+      const int8_t* wk = w + k * kCols;
+      for (int p = 0; p < 16; ++p, wk += 2 * kCols) {
+        _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch), _MM_HINT_T0);
+        _mm512_store_si512(b0 + 32 * p, (__m512i)pairs16(wk, 0));
+        _mm512_store_si512(b1 + 32 * p, (__m512i)pairs16(wk, 1));
       }
-    }
-    _tile_release();
+    };
+    // each group's sums times its scales, or (one scale per column: one group) the sums scaled
+    auto epilogue = [&](int64_t g, const float (&c)[amx_tiles::kRows][kCols]) {
+      const float* sg = s + g * lds;
+      const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+      for (int64_t i = 0; i < rows; ++i) {
+        const __m512 o0 = grouped && g > 0 ? _mm512_load_ps(out[i]) : _mm512_setzero_ps();
+        const __m512 o1 = grouped && g > 0 ? _mm512_load_ps(out[i] + 16) : _mm512_setzero_ps();
+        _mm512_store_ps(out[i], _mm512_fmadd_ps(_mm512_load_ps(c[i]), s0, o0));
+        _mm512_store_ps(out[i] + 16, _mm512_fmadd_ps(_mm512_load_ps(c[i] + 16), s1, o1));
+      }
+    };
+    if (two)
+      amx_tiles::block<true>(xs, K, group, pairs, epilogue);
+    else
+      amx_tiles::block<false>(xs, K, group, pairs, epilogue);
+    amx_tiles::store_rows(out, rows, cols, yp + r * out_features + b * kCols, out_features);
   });
   return y;
 }
 #else
-constexpr bool kAmxBuild = false;
-inline bool amx_permitted() { return false; }
 at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "int8_linear: this build has no AMX-BF16");
   return x;
 }
 #endif
 
-// Fewest bf16 rows the AMX tiles take (below them the vdpbf16ps loop); 0: never. A whole decode
-// step's linears of the default model, weights cold, one thread, on an AMX Xeon (2026-12-07,
-// docs/experiments/int8_amx_step.py): tiles 18.5 / 18.3 / 20.2 / 28.1 ms at 2 / 3 / 8 / 32 rows
-// against the loop's 18.0 / 20.4 / 34.1 / 121.3. Set through int8_amx_rows (tests compare the
-// paths, benches time them).
-std::atomic<int64_t> amx_min_rows{3};
-
-// Sets the fewest rows for the AMX tiles when `rows` >= 0 and returns the setting before; -1
-// where this build or this process cannot use AMX.
-int64_t int8_amx_rows(int64_t rows) {
-  if (!kAmxBuild || !amx_permitted()) return -1;
-  return rows >= 0 ? amx_min_rows.exchange(rows) : amx_min_rows.load();
-}
+// Sets the fewest bf16 rows the library's low-bit kernels run on AMX tiles (amx_tiles.h) when
+// `rows` >= 0 and returns the setting before; -1 where this build or process has no tiles.
+int64_t amx_rows(int64_t rows) { return amx_tiles::set_min_rows(rows); }
 
 template <int R>
 void rows_of_block(const float* x, int64_t ldx, int64_t K, int64_t group, const int8_t* w,
@@ -459,10 +355,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     // chunks of K are the groups, or 32 inputs (the last one K's remainder) with per-column scales
     const bool even = group == K ? K % 2 == 0 : group % 2 == 0;
     // one row: the float32 loop's fewer conversions per code measure 1-7% faster
-    const int64_t min_rows = amx_min_rows.load(std::memory_order_relaxed);
-    const bool tiles = K % 32 == 0 && (group == K || group % 32 == 0);
-    if (kAmxBuild && tiles && min_rows > 0 && M >= min_rows && amx_permitted())
-      return int8_linear_amx(x, packed, scales, out_features);
+    if (amx_tiles::take(M, K, group)) return int8_linear_amx(x, packed, scales, out_features);
     if (kBf16Dot && even && M > 1) return int8_linear_bf16(x, packed, scales, out_features);
     return int8_linear(x.to(at::kFloat), packed, scales, out_features);
   }
@@ -500,7 +393,7 @@ at::Tensor geared_int8_linear(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(vllm_adaptive_native, m) {
   m.def("int8_pack(Tensor codes, Tensor scales) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features) -> Tensor");
-  m.def("int8_amx_rows(int rows) -> int", &int8_amx_rows);  // no tensors: one kernel for all
+  m.def("amx_rows(int rows) -> int", &amx_rows);  // no tensors: one kernel for every backend
   m.def(
       "geared_int8_linear(Tensor x, Tensor packed, Tensor scales, Tensor native_rows, "
       "Tensor uniform, int index, int out_features) -> Tensor");
