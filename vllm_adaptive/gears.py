@@ -50,11 +50,13 @@ GEARBX_GEARS_F32: tuple[str, str, str] = ("w8a8", "fp16", "fp16")
 #: requests and changed the text of 1 request in 8 (docs/results.md); oneDNN's and FBGEMM's int8
 #: GEMMs saturate without VNNI. One gear at every level means no routing and no entropy pass.
 GEARBX_GEARS_F32_NO_INT8_DOT: tuple[str, str, str] = ("fp16", "fp16", "fp16")
-#: bf16 / fp16 activations on a CPU with AMX: the low gear is W8A8 on vLLM's AMX int8 GEMM, a
-#: third to a half of stock's bf16 GEMM at 1-32 tokens; mid and high are the bf16 weight itself:
-#: W8A16 there (two activation planes, the residual's few ops in Python) cost as much as bf16 at
-#: 1 token and 1.5-1.8x more at 8-32, and the weight-only int8 / int4 kernels were slower than
-#: bf16 from 8 tokens on (``vllm-adaptive kernels measure --dtype bfloat16``, docs/results.md).
+#: bf16 / fp16 activations on a CPU with AMX where the plugin's C++ kernels do not run (no
+#: compiler, ``ADAPTIVE_NATIVE_KERNELS=off``): the low gear is W8A8 on vLLM's AMX int8 GEMM, a
+#: third to a half of stock's bf16 GEMM at 1-32 tokens, mid and high the bf16 weight. Where the
+#: kernels run, AMX CPUs take :data:`GEARBX_GEARS_BF16_DOT`: their int8 and 4-bit kernels run
+#: bf16 rows on AMX tiles from 3 rows, and through `vllm serve` on an AMX Xeon (2026-12-07,
+#: docs/results.md) GEARBX with those gears read 1.21x / 0.96x / 0.88x stock bf16 at 1 / 8 / 32
+#: requests, perplexity +0.00%, against 0.94x / 0.93x / 0.90x for these (lossy: W8A8).
 GEARBX_GEARS_AMX: tuple[str, str, str] = ("w8a8", "full", "full")
 #: bf16 / fp16 activations on a CPU with AVX512-BF16 (no AMX) where the plugin's C++ kernels
 #: run: the high gear is int8 in groups of 32 (GGUF's Q8_0), not the bf16 weight, as fp16 is on

@@ -310,12 +310,15 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
     cfg = parse_adaptive_config({"precision": {"policy": "gearbx"}}).precision
     assert cfg.for_dtype("float32").level_gears == ("w8a8", "fp16", "fp16")
     assert cfg.for_dtype("bfloat16").level_gears == ("int4", "int8", "full")
-    # CPUs whose plugin kernels run bf16 rows on AVX512-BF16's dot product: int8 is the high
-    # gear (half of bf16's bytes); AMX keeps its W8A8 default; explicit gears stay
+    # CPUs whose plugin kernels run bf16 rows on AVX512-BF16's dot product (and AMX tiles):
+    # int8 is the high gear (half of bf16's bytes); AMX without the plugin's kernels keeps vLLM's
+    # W8A8 GEMM as its low gear; explicit gears stay
     assert cfg.for_dtype("bfloat16", native_bf16_dot=True).level_gears == ("int4", "int8", "int8")
     assert cfg.for_dtype("float32", native_bf16_dot=True).level_gears == ("w8a8", "fp16", "fp16")
     amx = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=True)
-    assert amx.level_gears == ("w8a8", "full", "full")
+    assert amx.level_gears == ("int4", "int8", "int8")
+    amx_without_kernels = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=False)
+    assert amx_without_kernels.level_gears == ("w8a8", "full", "full")
     assert cfg.for_dtype("float32").head_map == ("fp16", "fp16", "fp16")
     explicit = parse_adaptive_config(
         {"precision": {"policy": "gearbx", "gears": ["int4", "int8", "full"]}}
@@ -336,6 +339,10 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
     with pytest.raises(ValueError, match="smoothing.*bfloat16"):
         cfg.for_dtype("bfloat16")
     assert cfg.for_dtype("bfloat16", amx_int8=True).smoothing.alpha == 0.5
+    # a SmoothQuant profile asks for the W8A8 low gear: AMX keeps it even where the plugin's
+    # int8 / 4-bit kernels run
+    with_kernels = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=True)
+    assert with_kernels.level_gears == ("w8a8", "full", "full")
     with pytest.raises(AdaptiveConfigError, match="smoothing"):
         parse_adaptive_config({"precision": {**smooth, "gears": ["int4", "int8", "full"]}})
 

@@ -225,10 +225,10 @@ class PrecisionConfig(_Strict):
         if self.gears is None and self.policy == "gearbx":
             if not half:
                 update["gears"] = GEARBX_GEARS_F32 if int8_dot else GEARBX_GEARS_F32_NO_INT8_DOT
-            elif amx_int8:
+            elif native_bf16_dot and not (amx_int8 and self.smoothing is not None):
+                update["gears"] = GEARBX_GEARS_BF16_DOT  # AMX too: its tiles run these kernels
+            elif amx_int8:  # no plugin kernels here, or a SmoothQuant profile for W8A8 given
                 update["gears"] = GEARBX_GEARS_AMX
-            elif native_bf16_dot:
-                update["gears"] = GEARBX_GEARS_BF16_DOT
         if half and self.head_gears is None and "lm_head" in self.modules:
             if self.modules == ("lm_head",):
                 raise ValueError(
