@@ -107,7 +107,17 @@ inline void block(const uint16_t* x, int64_t K, int64_t group, const Pairs& pair
   }
 }
 
-// fn(xs, b, cols, r, rows, two) for every column block b (its `cols` valid columns) and every
+// block() for `rows` of x: with the second row tile where there are more than 16.
+template <typename Pairs, typename Epilogue>
+inline void block_rows(const uint16_t* x, int64_t rows, int64_t K, int64_t group,
+                       const Pairs& pairs, const Epilogue& epilogue) {
+  if (rows > kTileRows)
+    block<true>(x, K, group, pairs, epilogue);
+  else
+    block<false>(x, K, group, pairs, epilogue);
+}
+
+// fn(xs, b, cols, r, rows) for every column block b (its `cols` valid columns) and every
 // 32 rows r .. r + rows of x, xs pointing at row r of x zero-padded to whole tiles; the blocks
 // spread over threads, each with its tiles configured.
 template <typename Fn>
@@ -127,7 +137,7 @@ inline void for_each_block(const at::Tensor& x, int64_t blocks, int64_t out_feat
       const int64_t cols = std::min(kCols, out_features - b * kCols);
       for (int64_t r = 0; r < M; r += kRows) {
         const int64_t rows = std::min(kRows, M - r);
-        fn(xs + r * K, b, cols, r, rows, rows > kTileRows);
+        fn(xs + r * K, b, cols, r, rows);
       }
     }
     _tile_release();

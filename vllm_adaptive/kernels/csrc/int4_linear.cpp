@@ -251,8 +251,7 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   static const __m512i lut = bf16_of_nibbles();
   amx_tiles::for_each_block(x, blocks, out_features, [&](const uint16_t* xs, int64_t b,
-                                                         int64_t cols, int64_t r, int64_t rows,
-                                                         bool two) {
+                                                         int64_t cols, int64_t r, int64_t rows) {
     const uint8_t* w = wp + b * K * kBytes;
     const float* s = sp + b * kCols;
     const float* o = op + b * kCols;
@@ -283,10 +282,7 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
                         _mm512_fmadd_ps(_mm512_load_ps(c[i] + 16), s1, _mm512_fmadd_ps(xg, o1, a1)));
       }
     };
-    if (two)
-      amx_tiles::block<true>(xs, K, group, pairs, epilogue);
-    else
-      amx_tiles::block<false>(xs, K, group, pairs, epilogue);
+    amx_tiles::block_rows(xs, rows, K, group, pairs, epilogue);
     amx_tiles::store_rows(out, rows, cols, yp + r * out_features + b * kCols, out_features);
   });
   return y;

@@ -218,8 +218,7 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   amx_tiles::for_each_block(x, blocks, out_features, [&](const uint16_t* xs, int64_t b,
-                                                         int64_t cols, int64_t r, int64_t rows,
-                                                         bool two) {
+                                                         int64_t cols, int64_t r, int64_t rows) {
     const int8_t* w = wp + b * K * kCols;
     const float* s = sp + b * kCols;
     alignas(64) float out[amx_tiles::kRows][kCols];
@@ -242,10 +241,7 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& packed, const 
         _mm512_store_ps(out[i] + 16, _mm512_fmadd_ps(_mm512_load_ps(c[i] + 16), s1, o1));
       }
     };
-    if (two)
-      amx_tiles::block<true>(xs, K, group, pairs, epilogue);
-    else
-      amx_tiles::block<false>(xs, K, group, pairs, epilogue);
+    amx_tiles::block_rows(xs, rows, K, group, pairs, epilogue);
     amx_tiles::store_rows(out, rows, cols, yp + r * out_features + b * kCols, out_features);
   });
   return y;
