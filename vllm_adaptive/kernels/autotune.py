@@ -115,9 +115,11 @@ def time_kernel(fn: Kernel, x: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+@cache
 def table_key() -> dict[str, Any]:
     """What a cached table was measured on: the machine (:func:`cpu_info`) and the build of the
-    plugin's C++ kernels, so that changed kernels are measured again."""
+    plugin's C++ kernels, so that changed kernels are measured again (read once a process: the
+    build's digest hashes the sources, and every layer's measurement saves the table)."""
     from vllm_adaptive.kernels import native
 
     return {**cpu_info(), "native_kernels": native.build_name()}
