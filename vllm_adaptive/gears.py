@@ -67,6 +67,20 @@ GEARBX_GEARS_AMX: tuple[str, str, str] = ("w8a8", "full", "full")
 #: agreement 1.000; free-running greedy text 0.70 of stock bf16's, as the fixed int8 gear's
 #: (bf16 sums in another order round differently), against 1.00 with the full high gear.
 GEARBX_GEARS_BF16_DOT: tuple[str, str, str] = ("int4", "int8", "int8")
+#: bf16 / fp16 activations where the plugin's kernels run the bf16 dot product and the
+#: checkpoint's weights already lie on a 4-bit grid (a Q4_1 GGUF source, as the default model's:
+#: ``kernels.packed.coarse_grid_fraction``): int4 on that grid (asymmetric, groups of 32) gives
+#: the weights back, so no other gear is more faithful, and it is the fastest. Through `vllm
+#: serve` on an AMX Xeon (2026-12-07, 3 ABBA rounds, docs/results.md) the fixed int4 gear read
+#: 1.80x / 1.19x stock bf16 at 1 / 8 requests against the int8 gear's 1.42x / 1.14x, so routing
+#: to int8 (:data:`GEARBX_GEARS_BF16_DOT`) only cost time: one gear at every level, no entropy
+#: pass.
+GEARBX_GEARS_4BIT_GRID: tuple[str, str, str] = ("int4", "int4", "int4")
+#: The LM head with those gears: int8 in groups of 32 with float16 scales, GGUF's Q8_0, which
+#: such a checkpoint's head usually came from (the default model's tied embedding comes back to
+#: the bit); half of bf16's bytes. In the same run: 1.98x / 1.25x stock bf16 with it, against
+#: the int4 gear's 1.80x / 1.19x with the bf16 head.
+GEARBX_HEAD_4BIT_GRID: tuple[str, str, str] = ("int8", "int8", "int8")
 QUICKSILVER_GEARS: tuple[str, str, str] = ("int2", "int4", "int8")
 
 

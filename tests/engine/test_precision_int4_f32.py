@@ -1,7 +1,8 @@
 """The int4 group-32 asymmetric gear through a real float32 engine, on the plugin's native
 4-bit kernel.
 
-The default model's decoder weights come from a Q4_1 GGUF, whose grid this gear reproduces: on
+The default model's decoder weights come from a Q4_1 GGUF, whose grid this gear reproduces (the
+plugin detects the grid and quantizes asymmetrically unless told otherwise): on
 held-out text it kept teacher-forced agreement 0.995 with stock float32 and 64 free-running
 tokens identical (docs/precision.md). Here: decode rows take ``native_int4`` wherever the C++
 kernels build (prompt rows too, or the layer's float weight where it measured faster at those
@@ -23,8 +24,10 @@ from tests.support.forcing import agreement, perplexity, teacher_force
 from tests.support.workloads import SPEC_PROMPTS
 
 
-def _config(symmetric: bool) -> dict:
-    return {"precision": {"policy": "fixed", "gear": "int4", "symmetric": symmetric}}
+def _config() -> dict:
+    """The gear as a user types it: no "symmetric" key, so the plugin picks the checkpoint's
+    own (asymmetric) grid, which it detects (``models/precision.resolve_symmetric``)."""
+    return {"precision": {"policy": "fixed", "gear": "int4"}}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def llm(model_dir: Path):
 
     llm = make_llm(
         model_dir,
-        {"adaptive": _config(symmetric=False)},
+        {"adaptive": _config()},
         dtype="float32",
         logits_processors=[TeacherForcingLogitsProcessor],
     )

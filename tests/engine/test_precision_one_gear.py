@@ -60,3 +60,31 @@ def test_off_still_runs_full_precision(llm) -> None:
     tel = llm.apply_model(gear_telemetry)[0]
     recs = {r["tag"]: r for r in tel["finished"]}
     assert recs["one-off"]["gear_tokens"]["off"] == 8
+
+
+def test_gearbx_as_typed_takes_the_checkpoints_4bit_grid(model_dir: Path) -> None:
+    """The default model's weights lie on a Q4_1 grid. GEARBX as a user types it quantizes its
+    int4 tiers on that grid (asymmetric), and on a bf16 engine whose plugin kernels run the bf16
+    dot product it runs int4, which gives the weights back, at every level: no routing, no
+    entropy pass (the LM head at int8 g32, the Q8_0 grid of its tied embedding). Elsewhere its
+    routing defaults stay."""
+    from vllm_adaptive.introspection import gear_telemetry
+    from vllm_adaptive.kernels import native
+
+    llm = make_llm(model_dir, {"adaptive": {"precision": {"policy": "gearbx"}}}, dtype="bfloat16")
+    try:
+        n = 12
+        params = _greedy(n, adaptive_request_tag="typed")
+        (out,) = llm.generate(SPEC_PROMPTS[:1], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == n
+        tel = llm.apply_model(gear_telemetry)[0]
+    finally:
+        shutdown(llm)
+    assert tel["low_bit_grid"] == "asymmetric"
+    (rec,) = [r for r in tel["finished"] if r["tag"] == "typed"]
+    if native.bf16_dot_available():
+        maps = sorted(m[:3] for m in tel["layer_maps"])
+        assert maps == [["int4"] * 3, ["int8"] * 3], maps  # the decoder's, the head's
+        assert tel["routes"] is False and rec["entropy_bits"] == []
+    else:
+        assert tel["routes"] is True and len(rec["entropy_bits"]) == n

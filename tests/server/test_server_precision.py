@@ -1,5 +1,6 @@
 """`vllm serve` with entropy-routed precision on, started as the README tells users: through
-`scripts/serve.sh`, with GEARBX's default settings (`{"precision": {"policy": "gearbx"}}`).
+`scripts/serve.sh`, with GEARBX's paper settings (`{"precision": {"policy": "gearbx",
+"symmetric": true}}`: absmax tiers, so it routes between gears on every machine).
 
 Per-request gears over HTTP, the first tokens of greedy answers against stock vLLM, per-request
 records and gear metrics, settings this engine cannot honour (400 before a stream starts), and
@@ -22,7 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.serving import GREEDY, PROMPT, SERVED_NAME, START_NOISE, serving
 from tests.support.workloads import PROMPTS
 
-CONFIG = {"precision": {"policy": "gearbx"}}  # the paper's defaults: step routing, cold start
+# The paper's GEARBX: absmax int4 tiers, step routing, cold start. (As typed, without
+# "symmetric", GEARBX takes the default model's 4-bit grid and, where the plugin's kernels run
+# bf16 rows, int4 at every level with no routing: tests/engine/test_precision_one_gear.py.)
+CONFIG = {"precision": {"policy": "gearbx", "symmetric": True}}
 
 
 def _default_high_gear() -> str:

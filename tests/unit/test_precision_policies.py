@@ -317,6 +317,17 @@ def test_gearbx_default_gears_follow_the_activation_dtype() -> None:
     assert cfg.for_dtype("float32", native_bf16_dot=True).level_gears == ("w8a8", "fp16", "fp16")
     amx = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=True)
     assert amx.level_gears == ("int4", "int8", "int8")
+    # a checkpoint on a 4-bit grid (the default model's Q4_1 source): int4 there at every level
+    grid = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=True, on_4bit_grid=True)
+    assert grid.level_gears == ("int4", "int4", "int4")
+    assert grid.head_map == ("int8", "int8", "int8")  # Q8_0: the head comes back as well
+    assert cfg.for_dtype("bfloat16", on_4bit_grid=True).level_gears == ("int4", "int8", "full")
+    assert cfg.for_dtype("float32", on_4bit_grid=True).level_gears == ("w8a8", "fp16", "fp16")
+    absmax = parse_adaptive_config({"precision": {"policy": "gearbx", "symmetric": True}})
+    # the paper's absmax tiers do not give the grid back: GEARBX routes between gears again
+    assert absmax.precision.for_dtype(
+        "bfloat16", native_bf16_dot=True, on_4bit_grid=True
+    ).level_gears == ("int4", "int8", "int8")
     amx_without_kernels = cfg.for_dtype("bfloat16", amx_int8=True, native_bf16_dot=False)
     assert amx_without_kernels.level_gears == ("w8a8", "full", "full")
     assert cfg.for_dtype("float32").head_map == ("fp16", "fp16", "fp16")
@@ -436,3 +447,27 @@ def test_fixed_gear_costs_no_entropy_and_no_prompt_decode(monkeypatch) -> None:
         rec = c.slots[0].record()
         assert rec["gears"] == ["high"]
         assert len(rec["entropy_bits"]) == entropy_calls
+
+
+def test_low_bit_tiers_take_the_checkpoints_own_grid(caplog) -> None:
+    """With "symmetric" unset, int4 / int2 tiers quantize asymmetrically where the checkpoint
+    already lies on a 4-bit grid (a Q4_1 GGUF source: min/max gives it back) and symmetrically
+    elsewhere; an explicit setting wins, and re-rounding a 4-bit grid is warned about."""
+    from vllm_adaptive.models.precision import resolve_symmetric
+
+    def cfg(**extra):
+        return parse_adaptive_config({"precision": {"policy": "fixed", "gear": "int4", **extra}})
+
+    assert cfg().precision.symmetric is None
+    assert resolve_symmetric(cfg().precision, 0.97, "layers.0.qkv_proj") is False
+    assert resolve_symmetric(cfg().precision, 0.0, "layers.0.qkv_proj") is True
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm.adaptive.precision"):
+        assert resolve_symmetric(cfg(symmetric=True).precision, 0.97, "layers.0.qkv_proj")
+    assert "re-round" in caplog.text and "int4" in caplog.text
+    assert resolve_symmetric(cfg(symmetric=False).precision, 0.0, "x") is False
+    caplog.clear()
+    int8 = parse_adaptive_config({"precision": {"policy": "fixed", "gear": "int8"}}).precision
+    with caplog.at_level("WARNING", logger="vllm.adaptive.precision"):
+        resolve_symmetric(int8.model_copy(update={"symmetric": True}), 0.97, "x")
+    assert caplog.text == ""  # no 4-bit tier to re-round

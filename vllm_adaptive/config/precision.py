@@ -14,10 +14,12 @@ from vllm_adaptive.config.base import (
 )
 from vllm_adaptive.gears import (
     GEARBX_GEARS,
+    GEARBX_GEARS_4BIT_GRID,
     GEARBX_GEARS_AMX,
     GEARBX_GEARS_BF16_DOT,
     GEARBX_GEARS_F32,
     GEARBX_GEARS_F32_NO_INT8_DOT,
+    GEARBX_HEAD_4BIT_GRID,
     QUICKSILVER_GEARS,
     Precision,
 )
@@ -109,8 +111,9 @@ class PrecisionConfig(_Strict):
     gears: GearMap | None = Field(None, strict=False)
     """(low, mid, high) precisions; default for gearbx (int4, int8, full) with bf16 / fp16
     activations ((int4, int8, int8) on CPUs whose plugin kernels run the bf16 dot product,
-    (w8a8, full, full) on AMX) and (w8a8, fp16, fp16) with float32 ones (the fast kernels for
-    each), and (int2, int4, int8) for quicksilver."""
+    (w8a8, full, full) on AMX where they do not; int4 at every level where they do and the
+    checkpoint already lies on a 4-bit grid, which that gear gives back) and (w8a8, fp16, fp16)
+    with float32 ones (the fast kernels for each), and (int2, int4, int8) for quicksilver."""
     routing: Literal["step", "token"] | None = None
     """"step": one gear per step for the whole batch (the most demanding request decides);
     "token": each token runs its request's gear, tokens grouped by gear. Default: step for
@@ -140,8 +143,11 @@ class PrecisionConfig(_Strict):
     quicksilver."""
     group_size: int | None = Field(32, ge=32)
     """Group size of int4/int2 scales (and of the Matryoshka int8 base); null: per row."""
-    symmetric: bool = True
-    """int4/int2 independent tiers: symmetric absmax (GEARBX) or asymmetric min/max."""
+    symmetric: bool | None = None
+    """int4/int2 independent tiers: symmetric absmax (GEARBX) or asymmetric min/max. Default:
+    asymmetric where the checkpoint's weights already lie on a 4-bit grid (a Q4_1 GGUF source,
+    as the default model's: min/max groups of 32 give its values back, where absmax re-rounds
+    them onto another grid), symmetric otherwise."""
     offload_inactive: bool = False
     """Release tiers the step does not use (and the policy does not pre-warm); restore on use."""
     telemetry_path: str | None = None
@@ -212,6 +218,7 @@ class PrecisionConfig(_Strict):
         amx_int8: bool = False,
         int8_dot: bool = True,
         native_bf16_dot: bool = False,
+        on_4bit_grid: bool = False,
     ) -> PrecisionConfig:
         """This config with the dtype- and machine-dependent defaults filled in (``dtype_name``:
         the model's activation dtype, e.g. "float32"; ``amx_int8``: the CPU runs vLLM's AMX
@@ -219,17 +226,32 @@ class PrecisionConfig(_Strict):
         the CPU has an int8 dot product, :func:`~vllm_adaptive.kernels.float_linear.
         cpu_has_int8_dot`; ``native_bf16_dot``: the engine runs on a CPU whose plugin kernels
         take bf16 rows on AVX512-BF16's dot product, :func:`~vllm_adaptive.kernels.native.
-        bf16_dot_available`); errors name the key."""
+        bf16_dot_available`; ``on_4bit_grid``: the checkpoint's weights already lie on a 4-bit
+        grid, :func:`~vllm_adaptive.kernels.packed.coarse_grid_fraction`); errors name the key."""
         update: dict[str, Any] = {}
         half = dtype_name != "float32"
         if self.gears is None and self.policy == "gearbx":
             if not half:
                 update["gears"] = GEARBX_GEARS_F32 if int8_dot else GEARBX_GEARS_F32_NO_INT8_DOT
+            elif (
+                native_bf16_dot
+                and on_4bit_grid
+                and self.symmetric is not True  # absmax tiers do not give the grid back
+                and self.smoothing is None  # a W8A8 profile asks for the W8A8 gear
+            ):
+                update["gears"] = GEARBX_GEARS_4BIT_GRID
+                if self.head_gears is None and "lm_head" in self.modules:
+                    update["head_gears"] = GEARBX_HEAD_4BIT_GRID
             elif native_bf16_dot and not (amx_int8 and self.smoothing is not None):
                 update["gears"] = GEARBX_GEARS_BF16_DOT  # AMX too: its tiles run these kernels
             elif amx_int8:  # no plugin kernels here, or a SmoothQuant profile for W8A8 given
                 update["gears"] = GEARBX_GEARS_AMX
-        if half and self.head_gears is None and "lm_head" in self.modules:
+        if (
+            half
+            and self.head_gears is None
+            and "lm_head" in self.modules
+            and not update.get("head_gears")
+        ):
             if self.modules == ("lm_head",):
                 raise ValueError(
                     f'"modules" names only lm_head, which a {dtype_name} engine runs at its own '

@@ -52,7 +52,7 @@ def build_tiers(
     for p in want:
         bits = BITS[p]
         # int8 is symmetric as in the vLLM path (where it is per row: MLX needs groups)
-        scheme = "symmetric" if (bits == 8 or cfg.symmetric) else "affine"
+        scheme = "symmetric" if (bits == 8 or cfg.symmetric is not False) else "affine"
         out[p] = quantize(weight, bits, g, scheme)
     return out
 

@@ -49,12 +49,19 @@ def install_precision(
     from vllm_adaptive.kernels.float_linear import amx_int8_available, cpu_has_int8_dot
 
     on_cpu = parts.head.weight.device.type == "cpu"
+    linears = parts.managed_linears(cfg.modules)
+    # the first managed weight (the head's when "modules" names it alone)
+    first_name, first = (linears[0][1], linears[0][2].weight) if linears else ("lm_head", None)
+    if first is None and parts.head is not None:
+        first = parts.head.weight
+    coarse = coarse_grid_fraction(first.detach().float()) if first is not None else 0.0
     try:
         cfg = cfg.for_dtype(
             dtype_name,
             amx_int8=amx_int8_available(),
             int8_dot=cpu_has_int8_dot(),
             native_bf16_dot=on_cpu and native.bf16_dot_available(),
+            on_4bit_grid=coarse >= 0.5,
         )
     except ValueError as e:
         raise AdaptiveConfigError(f"adaptive.precision: {e}") from None
@@ -66,27 +73,14 @@ def install_precision(
                 f"{num_layers} layers"
             )
     policy = build_policy(cfg, parts.vocab_size)
-    linears = parts.managed_linears(cfg.modules)
     maps: list[tuple[str, ...]] = []
     controller = PrecisionController(
         cfg, policy, maps, tokenizer_path, exports_telemetry=_is_first_rank()
     )
     layout = cfg.effective_tiers
     t0 = time.perf_counter()
-    # the first managed weight (the head's when "modules" names it alone)
-    first_name, first = (linears[0][1], linears[0][2].weight) if linears else ("lm_head", None)
-    if first is None and parts.head is not None:
-        first = parts.head.weight
-    coarse = coarse_grid_fraction(first.detach().float()) if first is not None else 0.0
-    if coarse >= 0.5:
-        logger.warning(
-            "vllm-adaptive: %s already lies on a coarse grid (%.0f%% of groups hold <= 16 "
-            "values): the checkpoint was quantized before; re-quantizing compounds the error "
-            "(GEARBX 6.4 double quantization) unless a gear's grid is the checkpoint's own "
-            '(a Q4_1 GGUF source: int4 with "symmetric": false and group_size 32)',
-            first_name,
-            100 * coarse,
-        )
+    symmetric = resolve_symmetric(cfg, coarse, first_name)
+    controller.low_bit_grid = "symmetric" if symmetric else "asymmetric"
     stats = _smoothing_stats(cfg, model_dir)
     alpha = cfg.smoothing.alpha if cfg.smoothing is not None else 0.5
     head_map = cfg.head_map
@@ -108,7 +102,7 @@ def install_precision(
             set(level_map),
             layout,
             cfg.group_size,
-            cfg.symmetric,
+            symmetric,
             smooth,
             int8_group_size=int8_group_size(cfg.group_size, linear.weight.device),
         )
@@ -122,16 +116,16 @@ def install_precision(
 
     autotune.table().save()
     controller.geared = geared
-    one = {p for m in maps for p in m[:3]}
-    if policy.reads_entropy and len(one) == 1:
+    if policy.reads_entropy and all(len(set(m[:3])) == 1 for m in maps):
+        # each linear runs one precision at every level: a gear choice changes nothing
         controller.routes = False
+        runs = ", ".join(sorted({m[0] for m in maps}))
         logger.info(
-            "vllm-adaptive: every %s level runs %s on this %s engine: no routing and no "
-            "entropy pass (a fixed %s gear; per-request pins still apply)",
+            "vllm-adaptive: every %s level runs the same precision on this %s engine (%s): no "
+            "routing and no entropy pass (fixed gears; per-request pins still apply)",
             policy.name,
-            *one,
             dtype_name,
-            *one,
+            runs,
         )
     register_listener("precision", controller)  # fed each step's batch changes
     logger.info(
@@ -147,6 +141,41 @@ def install_precision(
         autotune.table().summary(),
     )
     return controller
+
+
+def resolve_symmetric(cfg, coarse: float, first_name: str) -> bool:
+    """The int4 / int2 tiers' grid: the configured one, else asymmetric min/max where the
+    checkpoint already lies on a 4-bit grid (``coarse``: the fraction of its groups of 32 holding
+    <= 16 values; a Q4_1 GGUF source comes back exactly, GEARBX's absmax would re-round it,
+    GEARBX section 6.4), symmetric absmax otherwise."""
+    symmetric = cfg.symmetric if cfg.symmetric is not None else coarse < 0.5
+    if coarse < 0.5:
+        return symmetric
+    low_bit = {"int4", "int2"} & {
+        *cfg.level_gears,
+        *(p for g in cfg.layer_groups for p in g.level_gears),
+        *(cfg.head_map or ()),
+    }
+    if symmetric and low_bit:
+        logger.warning(
+            "vllm-adaptive: %s already lies on a coarse grid (%.0f%% of groups hold <= 16 "
+            "values): the checkpoint was quantized before; the symmetric %s tiers re-round it "
+            "onto another grid (GEARBX 6.4 double quantization). Its own grid (a Q4_1 GGUF "
+            'source) is int4 with "symmetric": false and group_size 32, the default here',
+            first_name,
+            100 * coarse,
+            "/".join(sorted(low_bit)),
+        )
+    elif low_bit:
+        logger.info(
+            "vllm-adaptive: %s lies on a 4-bit grid (%.0f%% of groups hold <= 16 values): the "
+            "%s tiers quantize asymmetrically (min/max, groups of %s), which gives it back",
+            first_name,
+            100 * coarse,
+            "/".join(sorted(low_bit)),
+            cfg.group_size,
+        )
+    return symmetric
 
 
 def int8_group_size(group_size: int | None, device: torch.device) -> int | None:

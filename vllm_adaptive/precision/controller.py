@@ -107,6 +107,8 @@ class PrecisionController:
         #: False when every level runs one precision (install_precision decides): routing
         #: cannot change a token, so no entropy pass, no prompt decode, no calibration
         self.routes = True
+        #: the int4 / int2 tiers' grid, "symmetric" or "asymmetric" (install_precision decides)
+        self.low_bit_grid: str | None = None
         self.finished: list[dict[str, Any]] = []
         self.max_finished = 4096
         self.requests_seen = 0
@@ -339,6 +341,7 @@ class PrecisionController:
             "policy": self.policy.describe(),
             "routing": self.routing,
             "routes": self.routes,
+            "low_bit_grid": self.low_bit_grid,
             "layer_maps": [list(m) for m in self.layer_maps],
             "resident_bytes": self.resident_bytes(),
             "level_byte_ratios": self.level_byte_ratios(),
