@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engines import make_llm, shutdown
+from tests.support.engines import make_llm, metric, shutdown
 from tests.support.workloads import SPEC_PROMPTS
 
 CONFIG = {"precision": {"policy": "gearbx", "gears": ["fp16", "fp16", "fp16"]}}
@@ -66,25 +66,33 @@ def test_gearbx_as_typed_takes_the_checkpoints_4bit_grid(model_dir: Path) -> Non
     """The default model's weights lie on a Q4_1 grid. GEARBX as a user types it quantizes its
     int4 tiers on that grid (asymmetric), and on a bf16 engine whose plugin kernels run the bf16
     dot product it runs int4, which gives the weights back, at every level: no routing, no
-    entropy pass (the LM head at int8 g32, the Q8_0 grid of its tied embedding). Elsewhere its
-    routing defaults stay."""
+    entropy pass (the LM head at int8 g32, the Q8_0 grid of its tied embedding), so vLLM's
+    drafters compose with it. Elsewhere its routing defaults stay."""
     from vllm_adaptive.introspection import gear_telemetry
     from vllm_adaptive.kernels import native
 
-    llm = make_llm(model_dir, {"adaptive": {"precision": {"policy": "gearbx"}}}, dtype="bfloat16")
+    one_gear = native.bf16_dot_available()
+    # with nothing to route it composes with vLLM's drafters (else refused: unit tests)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {"speculative_config": ngram} if one_gear else {}
+    config = {"adaptive": {"precision": {"policy": "gearbx"}}}
+    llm = make_llm(model_dir, config, dtype="bfloat16", **spec)
     try:
-        n = 12
+        n = 32
         params = _greedy(n, adaptive_request_tag="typed")
         (out,) = llm.generate(SPEC_PROMPTS[:1], params, use_tqdm=False)
         assert len(out.outputs[0].token_ids) == n
         tel = llm.apply_model(gear_telemetry)[0]
+        drafted = metric(llm, "vllm:spec_decode_num_draft_tokens")
     finally:
         shutdown(llm)
+    assert (drafted > 0) == one_gear
     assert tel["low_bit_grid"] == "asymmetric"
-    (rec,) = [r for r in tel["finished"] if r["tag"] == "typed"]
-    if native.bf16_dot_available():
+    if one_gear:
         maps = sorted(m[:3] for m in tel["layer_maps"])
         assert maps == [["int4"] * 3, ["int8"] * 3], maps  # the decoder's, the head's
-        assert tel["routes"] is False and rec["entropy_bits"] == []
-    else:
-        assert tel["routes"] is True and len(rec["entropy_bits"]) == n
+        assert tel["routes"] is False
+    else:  # routed: each decode token's entropy read
+        assert tel["routes"] is True
+        (rec,) = [r for r in tel["finished"] + tel["live"] if r["tag"] == "typed"]
+        assert len(rec["entropy_bits"]) == n

@@ -471,3 +471,16 @@ def test_low_bit_tiers_take_the_checkpoints_own_grid(caplog) -> None:
     with caplog.at_level("WARNING", logger="vllm.adaptive.precision"):
         resolve_symmetric(int8.model_copy(update={"symmetric": True}), 0.97, "x")
     assert caplog.text == ""  # no 4-bit tier to re-round
+
+
+def test_gear_routing_and_speculation() -> None:
+    """vLLM's drafters verify several rows per request: a policy that routes gears is refused
+    at engine start naming its levels; one whose levels all run one precision composes."""
+    from vllm_adaptive.models.precision import speculation_problem
+
+    routed = [("int4", "int8", "int8", "full"), ("full", "full", "full", "full")]
+    problem = speculation_problem("gearbx", routed)
+    assert problem is not None and "int4/int8/int8" in problem and "fixed" in problem
+    one = [("int4", "int4", "int4", "full"), ("int8", "int8", "int8", "full")]
+    assert speculation_problem("gearbx", one) is None
+    assert speculation_problem("fixed", routed) is None

@@ -84,6 +84,7 @@ class AdaptiveCausalLM(HasAdaptiveParts):
         self.precision = None
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self._model_dir = vllm_config.model_config.model
+        self._speculates = vllm_config.speculative_config is not None
         self.speculative_draft = None  # built at load_weights when adaptive.speculative is on
         self.depth = None  # read by the introspection and the proposer
         self.hybrid_drafts = None  # read by the model runner (intrusion hybrid-drafts)
@@ -118,7 +119,11 @@ class AdaptiveCausalLM(HasAdaptiveParts):
                 raise AdaptiveConfigError(str(e)) from None
         if self.adaptive_config.active_precision is not None:
             self.precision = install_precision(
-                self, self.adaptive_config.active_precision, self._tokenizer_path, self._model_dir
+                self,
+                self.adaptive_config.active_precision,
+                self._tokenizer_path,
+                self._model_dir,
+                speculates=self._speculates,
             )
             self.precision.stats.num_layers = self.adaptive_parts().num_layers
         return loaded

@@ -90,12 +90,8 @@ def check_engine_compatible(vllm_config: VllmConfig, adaptive: AdaptiveConfig) -
             )
     if adaptive.active_precision is None:
         return
-    if spec is not None and adaptive.active_precision.policy != "fixed":
-        raise AdaptiveConfigError(
-            "adaptive.precision: speculative decoding scores several tokens per request per "
-            'step; gear control needs one sampled row per request (use policy "fixed" with '
-            "speculation, or turn one of them off)"
-        )
+    # Gear control with speculation: refused once the gears are known (install_precision),
+    # since a policy whose levels all run one precision routes nothing and composes with drafts.
     cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if (
         vllm_config.device_config.device.type == "cuda"

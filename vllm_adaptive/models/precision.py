@@ -38,11 +38,17 @@ def _smoothing_stats(cfg, model_dir: str | None) -> dict[str, torch.Tensor] | No
 
 
 def install_precision(
-    model, cfg, tokenizer_path: str | None, model_dir: str | None = None, max_tokens: int = 64
+    model,
+    cfg,
+    tokenizer_path: str | None,
+    model_dir: str | None = None,
+    max_tokens: int = 64,
+    speculates: bool = False,
 ) -> PrecisionController:
     """Quantize every managed linear (and the LM head) into its tiers and route it through the
     geared method; measure the float-activation kernels on this machine (``max_tokens``: the
-    largest token count worth measuring)."""
+    largest token count worth measuring; ``speculates``: the engine verifies drafts, which gear
+    routing cannot follow)."""
     parts = model.adaptive_parts()
     dtype_name = str(parts.head.weight.dtype).removeprefix("torch.")
     from vllm_adaptive.kernels import native
@@ -116,7 +122,11 @@ def install_precision(
 
     autotune.table().save()
     controller.geared = geared
-    if policy.reads_entropy and all(len(set(m[:3])) == 1 for m in maps):
+    problem = speculation_problem(policy.name, maps) if speculates else None
+    if problem is not None:
+        raise AdaptiveConfigError(problem)
+    one_precision = all(len(set(m[:3])) == 1 for m in maps)
+    if policy.reads_entropy and one_precision:
         # each linear runs one precision at every level: a gear choice changes nothing
         controller.routes = False
         runs = ", ".join(sorted({m[0] for m in maps}))
@@ -141,6 +151,21 @@ def install_precision(
         autotune.table().summary(),
     )
     return controller
+
+
+def speculation_problem(policy: str, level_maps: list[tuple[str, ...]]) -> str | None:
+    """Why gear control cannot run under speculative decoding with these (low, mid, high, off)
+    precision maps, one per distinct linear; None where it can: a fixed gear, or a policy whose
+    levels all run one precision per linear (nothing to route)."""
+    if policy == "fixed" or all(len(set(m[:3])) == 1 for m in level_maps):
+        return None
+    maps = ", ".join("/".join(m[:3]) for m in level_maps)
+    return (
+        "adaptive.precision: speculative decoding scores several tokens per request per step; "
+        f"gear control needs one sampled row per request, and {policy}'s levels here run "
+        f'different precisions ({maps}): use policy "fixed" with speculation, or turn one of '
+        "them off"
+    )
 
 
 def resolve_symmetric(cfg, coarse: float, first_name: str) -> bool:
