@@ -101,9 +101,26 @@ def _no_section(adaptive: Any, section: str, what: str) -> str:
     )
 
 
-def unsupported_reason(overrides: RequestOverrides, adaptive: Any) -> tuple[str, str] | None:
+def unsupported_reason(
+    overrides: RequestOverrides, adaptive: Any, vllm_drafts: bool = False
+) -> tuple[str, str] | None:
     """``(key, why)`` of the first override an engine with this adaptive config (an
-    ``AdaptiveConfig``, or None for none) cannot honour; None when it honours them all."""
+    ``AdaptiveConfig``, or None for none) cannot honour; None when it honours them all.
+    ``vllm_drafts``: the engine verifies drafts of one of vLLM's proposers, under which vLLM
+    runs no logits processors, the hook through which the plugin follows each request."""
+    precision = adaptive.active_precision if adaptive is not None else None
+    if vllm_drafts and precision is not None:
+        why = (
+            "this engine verifies vLLM's speculative drafts, and vLLM then runs no logits "
+            "processors, the hook through which the plugin follows each request: every request "
+            "runs the engine's gears"
+        )
+        if overrides.gear is not None:
+            return "adaptive_gear", why
+        if overrides.mode == "off":
+            return "adaptive_mode", why
+        if overrides.request_tag is not None:
+            return "adaptive_request_tag", why + " and leaves no record"
     if overrides.gear is not None:
         precision = adaptive.active_precision if adaptive is not None else None
         if precision is None:
@@ -127,11 +144,14 @@ def unsupported_reason(overrides: RequestOverrides, adaptive: Any) -> tuple[str,
 
 
 def check_honoured(
-    overrides: RequestOverrides, adaptive: Any, sent: Mapping[str, Any] | None
+    overrides: RequestOverrides,
+    adaptive: Any,
+    sent: Mapping[str, Any] | None,
+    vllm_drafts: bool = False,
 ) -> None:
     """Refuse what an engine with this adaptive config cannot honour, naming why and what was
     ``sent`` (the raw keys); the vLLM path and the MLX server both call it."""
-    reason = unsupported_reason(overrides, adaptive)
+    reason = unsupported_reason(overrides, adaptive, vllm_drafts)
     if reason is not None:
         key, why = reason
         value = (sent or {}).get(key)

@@ -134,3 +134,32 @@ def test_token_fusion_needs_the_mask_strategy() -> None:
         parse_adaptive_config({"depth": {**depth, "kv_strategy": "monotone"}})
     with pytest.raises(AdaptiveConfigError, match="fusion.profile"):
         parse_adaptive_config({"depth": {**depth, "fusion": {}}})
+
+
+def test_per_request_gears_under_vllm_drafts_are_refused() -> None:
+    """Under speculative decoding vLLM runs no logits processors, the hook through which the
+    plugin follows each request: a precision engine with one of vLLM's drafters refuses the
+    per-request keys it could not honour (HTTP 400 through the server), naming why."""
+    from types import SimpleNamespace
+
+    from vllm_adaptive.engine.request_validator import engine_request_check
+
+    def engine(spec):
+        return SimpleNamespace(
+            additional_config={"adaptive": {"precision": {"policy": "gearbx"}}},
+            speculative_config=spec,
+            model_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+        )
+
+    drafts = engine_request_check(engine(SimpleNamespace(method="suffix")))
+    for key, value in (
+        ("adaptive_gear", "low"),
+        ("adaptive_mode", "off"),
+        ("adaptive_request_tag", "t"),
+    ):
+        with pytest.raises(VLLMValidationError, match="speculative drafts") as err:
+            drafts(SamplingParams(extra_args={key: value}))
+        assert err.value.parameter == key
+    drafts(SamplingParams(extra_args={"other_plugin_key": 1}))
+    plain = engine_request_check(engine(None))
+    plain(SamplingParams(extra_args={"adaptive_gear": "low", "adaptive_request_tag": "t"}))

@@ -65,10 +65,11 @@ def parse_request_overrides(extra_args: Mapping[str, Any] | None) -> RequestOver
 
 
 def validate_overrides(
-    extra_args: Mapping[str, Any] | None, engine: Any = ENGINE_UNKNOWN
+    extra_args: Mapping[str, Any] | None, engine: Any = ENGINE_UNKNOWN, vllm_drafts: bool = False
 ) -> RequestOverrides:
     """All three checks (see the module docstring); ``engine``: the engine's
-    ``AdaptiveConfig`` (None: no adaptive config), or ENGINE_UNKNOWN to skip the third."""
+    ``AdaptiveConfig`` (None: no adaptive config), or ENGINE_UNKNOWN to skip the third;
+    ``vllm_drafts``: the engine verifies drafts of one of vLLM's own proposers."""
     overrides = parse_request_overrides(extra_args)
     try:
         check_overrides(overrides)
@@ -76,7 +77,7 @@ def validate_overrides(
         raise VLLMValidationError(str(e), parameter=e.parameter, value=e.value) from None
     if engine is not ENGINE_UNKNOWN:
         try:
-            check_honoured(overrides, engine, extra_args)
+            check_honoured(overrides, engine, extra_args, vllm_drafts)
         except RequestOverrideError as e:
             raise VLLMValidationError(str(e), parameter=e.parameter, value=e.value) from None
     return overrides
@@ -94,10 +95,13 @@ def engine_request_check(vllm_config: Any) -> Callable[[Any], None]:
 
     adaptive = adaptive_config_from_vllm(vllm_config)
     check_architecture_supported(vllm_config)
+    spec = getattr(vllm_config, "speculative_config", None)
+    # the plugin's own proposer (custom_class) follows requests itself
+    vllm_drafts = spec is not None and getattr(spec, "method", None) != "custom_class"
 
     def check(params: Any) -> None:
         if isinstance(params, SamplingParams):
-            validate_overrides(params.extra_args, adaptive)
+            validate_overrides(params.extra_args, adaptive, vllm_drafts)
 
     return check
 
