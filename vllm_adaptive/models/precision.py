@@ -132,10 +132,13 @@ def install_precision(
         runs = ", ".join(sorted({m[0] for m in maps}))
         logger.info(
             "vllm-adaptive: every %s level runs the same precision on this %s engine (%s): no "
-            "routing and no entropy pass (fixed gears; per-request pins still apply)",
+            "routing and no entropy pass (fixed gears; %s)",
             policy.name,
             dtype_name,
             runs,
+            "per-request keys are refused under vLLM's drafters"
+            if speculates
+            else "per-request pins still apply",
         )
     register_listener("precision", controller)  # fed each step's batch changes
     logger.info(
