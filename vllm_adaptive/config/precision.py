@@ -87,6 +87,16 @@ class LayerGroup(_Strict):
         return self
 
     @property
+    def named_precisions(self) -> set[str]:
+        """Every precision some level of some managed linear runs (layer groups and the LM
+        head included)."""
+        return {
+            *self.level_gears,
+            *(p for g in self.layer_groups for p in g.level_gears),
+            *(self.head_map or ()),
+        }
+
+    @property
     def level_gears(self) -> GearMap:
         if self.gears is not None:
             return self.gears
@@ -259,16 +269,22 @@ class PrecisionConfig(_Strict):
                 )
             update["head_gears"] = ("full", "full", "full")
         resolved = self.model_copy(update=update) if update else self
-        if resolved.smoothing is not None and "w8a8" not in {
-            *resolved.level_gears,
-            *(p for g in resolved.layer_groups for p in g.level_gears),
-            *(resolved.head_gears or ()),
-        }:
+        if resolved.smoothing is not None and "w8a8" not in resolved.named_precisions:
             raise ValueError(
                 f'"smoothing" applies to the w8a8 precision; the gears of this {dtype_name} '
                 f"engine are {list(resolved.level_gears)}"
             )
         return resolved
+
+    @property
+    def named_precisions(self) -> set[str]:
+        """Every precision some level of some managed linear runs (layer groups and the LM
+        head included)."""
+        return {
+            *self.level_gears,
+            *(p for g in self.layer_groups for p in g.level_gears),
+            *(self.head_map or ()),
+        }
 
     @property
     def level_gears(self) -> GearMap:

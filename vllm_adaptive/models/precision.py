@@ -125,9 +125,7 @@ def install_precision(
     problem = speculation_problem(policy.name, maps) if speculates else None
     if problem is not None:
         raise AdaptiveConfigError(problem)
-    one_precision = all(len(set(m[:3])) == 1 for m in maps)
-    if policy.reads_entropy and one_precision:
-        # each linear runs one precision at every level: a gear choice changes nothing
+    if policy.reads_entropy and routes_nothing(maps):
         controller.routes = False
         runs = ", ".join(sorted({m[0] for m in maps}))
         logger.info(
@@ -156,11 +154,17 @@ def install_precision(
     return controller
 
 
+def routes_nothing(level_maps: list[tuple[str, ...]]) -> bool:
+    """Whether each linear runs one precision at every (low, mid, high) level: a gear choice
+    then changes nothing."""
+    return all(len(set(m[:3])) == 1 for m in level_maps)
+
+
 def speculation_problem(policy: str, level_maps: list[tuple[str, ...]]) -> str | None:
     """Why gear control cannot run under speculative decoding with these (low, mid, high, off)
     precision maps, one per distinct linear; None where it can: a fixed gear, or a policy whose
     levels all run one precision per linear (nothing to route)."""
-    if policy == "fixed" or all(len(set(m[:3])) == 1 for m in level_maps):
+    if policy == "fixed" or routes_nothing(level_maps):
         return None
     maps = ", ".join("/".join(m[:3]) for m in level_maps)
     return (
@@ -179,11 +183,7 @@ def resolve_symmetric(cfg, coarse: float, first_name: str) -> bool:
     symmetric = cfg.symmetric if cfg.symmetric is not None else coarse < 0.5
     if coarse < 0.5:
         return symmetric
-    low_bit = {"int4", "int2"} & {
-        *cfg.level_gears,
-        *(p for g in cfg.layer_groups for p in g.level_gears),
-        *(cfg.head_map or ()),
-    }
+    low_bit = {"int4", "int2"} & cfg.named_precisions
     if symmetric and low_bit:
         logger.warning(
             "vllm-adaptive: %s already lies on a coarse grid (%.0f%% of groups hold <= 16 "
